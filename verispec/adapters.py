@@ -1,0 +1,156 @@
+"""Model adapter: a causal LM plus its KV cache, with per-row rollback.
+
+Rows of a batch accept different numbers of draft tokens, so rolling back cannot simply crop the cache by
+one amount (PITFALLS #6). Every cache slot instead carries a validity bit in ``slot_mask`` (``[B, S]``),
+which is passed to the model as its 2-D attention mask:
+
+- a forward pass appends one slot per input column for every row;
+- rolling back a row clears the bits of its rejected slots (they become holes that nothing attends to),
+  and the slots that no row kept are cropped off the end of the cache;
+- position ids are tracked per row by the caller, independently of slot indices, so holes and left padding
+  never shift a row's positions;
+- when holes make up too much of the cache it is compacted (valid slots gathered to the right).
+
+Only plain full-attention caches can be rolled back like this; sliding-window or recurrent (linear
+attention) layers are refused with a clear error (PITFALLS #4).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+def model_vocab_size(model: PreTrainedModel) -> int:
+    """Number of logits the model produces per position."""
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def max_positions(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model's position embeddings cover, if its config says."""
+    config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class CachedLM:
+    """A causal LM and its KV cache for one batch of rows.
+
+    Guarantee: logits for a row depend only on that row's valid slots and its position ids, so a row decodes
+    as it would alone (up to floating-point differences of batched matrix products).
+    """
+
+    # Compact when the cache holds more than this many slots per valid slot of its fullest row.
+    compact_ratio = 1.5
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.device = model_device(model)
+        self.cache = DynamicCache(config=model.config)
+        self._check_rollback_supported()
+        self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S]
+
+    def _check_rollback_supported(self) -> None:
+        bad = [
+            type(layer).__name__
+            for layer in self.cache.layers
+            if type(layer) is not DynamicLayer  # sliding windows and recurrent states cannot be rewound
+        ]
+        if bad:
+            name = type(self.model).__name__
+            raise ValueError(
+                f"{name} uses cache layers that cannot be rolled back ({sorted(set(bad))}); verispec supports "
+                "full-attention models only (sliding-window / recurrent layers would silently lose state)"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.slot_mask.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_mask.shape[1]
+
+    def reset(self, batch_size: int) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, n]
+        input_mask: torch.Tensor,  # [B, n] bool, False for padding / holes
+        position_ids: torch.Tensor,  # [B, n]
+        num_logits: int | None = None,  # keep logits for only the last positions (prefill needs none)
+    ) -> torch.Tensor:
+        """Append ``n`` slots per row and return float32 logits ``[B, num_logits or n, V]``."""
+        self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
+        out = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=self.slot_mask.to(torch.long),
+            position_ids=position_ids.to(self.device),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits or 0,
+        )
+        return out.logits.float()
+
+    def rollback(self, num_kept: list[int], num_new: int) -> None:
+        """Of the last ``num_new`` slots, keep the first ``num_kept[b]`` for row b; the rest become holes and
+        slots no row kept are cropped off the cache."""
+        if num_new == 0:
+            return
+        kept = torch.tensor(num_kept, device=self.device)  # [B]
+        columns = torch.arange(num_new, device=self.device)  # [num_new]
+        self.slot_mask[:, -num_new:] &= columns[None, :] < kept[:, None]
+        unused = num_new - max(num_kept, default=0)
+        if unused > 0:
+            self.cache.crop(-unused)
+            self.slot_mask = self.slot_mask[:, :-unused]
+        self._maybe_compact()
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch), freeing the others' cache memory."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(rows)
+        self.slot_mask = self.slot_mask[rows]
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if self.num_slots == 0 or self.batch_size == 0:
+            return
+        valid_per_row = self.slot_mask.sum(dim=1)  # [B]
+        longest = int(valid_per_row.max())
+        if self.num_slots <= self.compact_ratio * longest + 8:
+            return
+        self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's valid slots to the right end of a cache as long as its fullest row."""
+        valid_per_row = self.slot_mask.sum(dim=1)  # [B]
+        longest = int(valid_per_row.max())
+        # Stable sort puts holes first and keeps the valid slots in order; take the last `longest`.
+        order = torch.sort(self.slot_mask.to(torch.int8), dim=1, stable=True).indices[:, -longest:]  # [B, L]
+        for layer in self.cache.layers:
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            layer.keys = _gather_slots(layer.keys, order)
+            layer.values = _gather_slots(layer.values, order)
+        self.slot_mask = self.slot_mask.gather(1, order)
+
+
+def _gather_slots(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """states [B, H, S, D], order [B, L] -> [B, H, L, D]"""
+    index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
+    return states.gather(2, index)

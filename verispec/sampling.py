@@ -1,0 +1,77 @@
+"""Sampling warpers: turn raw logits into the distribution a sampler draws from.
+
+The same warpers are applied to the target's logits (defining the distribution the output must follow) and
+to the draft's logits (defining the distribution the draft samples from, which then enters the acceptance
+ratio). Order and semantics follow transformers' ``generate``: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are chosen. ``temperature == 0`` means greedy (argmax), never a division by zero."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
+        if math.isinf(self.temperature):
+            raise ValueError("temperature must be finite")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to ``logits`` (``[..., V]``); returns float32 logits with ``-inf``
+    outside the kept set. Not for greedy params (greedy needs no warping)."""
+    logits = logits.float() / params.temperature  # [..., V]
+    vocab_size = logits.shape[-1]
+    if params.top_k is not None and params.top_k < vocab_size:
+        kth_value = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth_value, float("-inf"))
+    if params.top_p is not None and params.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)  # [..., V]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [..., V] mass strictly above each token
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token is always kept.
+        drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float32 distribution ``[..., V]`` that plain (non-speculative) sampling with ``params`` draws from."""
+    return warp_logits(logits, params).softmax(dim=-1)
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row of ``probs`` (``[N, V]``, need not be normalised) by inverting its CDF at
+    ``uniforms`` (``[N]``, in [0, 1)). Never returns a zero-probability token.
+
+    Inverse-CDF sampling keeps each row's draw a function of that row's own uniforms, so a row's tokens do
+    not depend on what else is in the batch.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:]  # [N, 1]
+    threshold = uniforms.to(cdf).reshape(-1, 1) * total  # [N, 1]
+    token_ids = torch.searchsorted(cdf, threshold, right=True).squeeze(-1)  # [N]
+    # u * total can round up to total; fall back to the last token with mass.
+    last_nonzero = (probs.shape[-1] - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)  # [N]
+    return torch.minimum(token_ids, last_nonzero)

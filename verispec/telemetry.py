@@ -1,0 +1,86 @@
+"""Per-request telemetry: what the draft proposed, what the target kept, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Counters for one ``generate`` call (all rows together).
+
+    A *step* is one target forward pass over the whole active batch; a *row step* is one row's share of it.
+    """
+
+    num_draft_tokens: int | str = 0  # the gamma setting ("auto" or a fixed number)
+    steps: int = 0
+    row_steps: int = 0
+    target_calls: int = 0  # target forward passes, prefill included
+    draft_calls: int = 0  # draft forward passes, prefill included
+    draft_tokens: int = 0  # draft tokens proposed (summed over rows)
+    accepted_tokens: int = 0  # draft tokens the target kept
+    generated_tokens: int = 0  # tokens emitted (summed over rows)
+    accepted_length_histogram: list[int] = field(default_factory=list)  # [n] = row steps that kept n drafts
+    position_proposed: list[int] = field(default_factory=list)  # [j] = drafts proposed at block position j
+    position_accepted: list[int] = field(default_factory=list)  # [j] = drafts kept at block position j
+    gamma_history: list[int] = field(default_factory=list)  # draft length used at each step
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    def record_step(self, gamma: int, draft_lengths: list[int], num_accepted: list[int]) -> None:
+        self.steps += 1
+        self.row_steps += len(num_accepted)
+        self.gamma_history.append(gamma)
+        _grow(self.accepted_length_histogram, gamma + 1)
+        _grow(self.position_proposed, gamma)
+        _grow(self.position_accepted, gamma)
+        for length, accepted in zip(draft_lengths, num_accepted):
+            self.draft_tokens += length
+            self.accepted_tokens += accepted
+            self.accepted_length_histogram[accepted] += 1
+            for j in range(length):
+                self.position_proposed[j] += 1
+            for j in range(accepted):
+                self.position_accepted[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of proposed draft tokens the target kept (0 when nothing was proposed)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """[j] = P(draft at block position j kept | it was proposed)."""
+        return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Average drafts kept per row step."""
+        return self.accepted_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        """Tokens emitted per row per target pass (1.0 for the target alone)."""
+        return self.generated_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            per_position_acceptance=self.per_position_acceptance,
+            mean_accepted_length=self.mean_accepted_length,
+            tokens_per_row_step=self.tokens_per_row_step,
+            tokens_per_second=self.tokens_per_second,
+        )
+        return out
+
+
+def _grow(values: list[int], size: int) -> None:
+    values.extend([0] * (size - len(values)))
