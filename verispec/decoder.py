@@ -259,6 +259,7 @@ class _DecodeLoop:
         self.reasons: list[str | None] = [None] * len(prompts)
         self.max_new_tokens = max_new_tokens
         self.generators = generators
+        self.stats.start_rows(len(prompts))
         if max_new_tokens > 0:
             self._prefill(prompts)
             while self.active:
@@ -351,7 +352,7 @@ class _DecodeLoop:
     def _commit(self, k: int, host: list[list[int]]) -> None:
         num_accepted = [row[0] for row in host]
         new_tokens = [row[3 : 3 + row[0] + 1] for row in host]
-        self.stats.record_step(k, [row[1] for row in host], num_accepted)
+        self.stats.record_step(k, self.active, [row[1] for row in host], num_accepted)
         for b, r in enumerate(self.active):
             if host[b][2]:
                 self.reasons[r] = "error"

@@ -24,20 +24,32 @@ class GenerationStats:
     position_proposed: list[int] = field(default_factory=list)  # [j] = drafts proposed at block position j
     position_accepted: list[int] = field(default_factory=list)  # [j] = drafts kept at block position j
     gamma_history: list[int] = field(default_factory=list)  # draft length used at each step
+    row_draft_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts proposed
+    row_accepted_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts kept
+    row_target_passes: list[int] = field(default_factory=list)  # per prompt row: target passes it took part in
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     target_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
 
-    def record_step(self, gamma: int, draft_lengths: list[int], num_accepted: list[int]) -> None:
+    def start_rows(self, batch_size: int) -> None:
+        self.row_draft_tokens = [0] * batch_size
+        self.row_accepted_tokens = [0] * batch_size
+        self.row_target_passes = [0] * batch_size
+
+    def record_step(self, gamma: int, rows: list[int], draft_lengths: list[int], num_accepted: list[int]) -> None:
+        """Count one verification step; ``rows`` are the prompt indices of the active batch rows."""
         self.steps += 1
         self.row_steps += len(num_accepted)
         self.gamma_history.append(gamma)
         _grow(self.accepted_length_histogram, gamma + 1)
         _grow(self.position_proposed, gamma)
         _grow(self.position_accepted, gamma)
-        for length, accepted in zip(draft_lengths, num_accepted):
+        for row, length, accepted in zip(rows, draft_lengths, num_accepted):
+            self.row_draft_tokens[row] += length
+            self.row_accepted_tokens[row] += accepted
+            self.row_target_passes[row] += 1
             self.draft_tokens += length
             self.accepted_tokens += accepted
             self.accepted_length_histogram[accepted] += 1
