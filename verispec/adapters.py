@@ -53,6 +53,7 @@ class CachedLM:
 
     # Compact when the cache holds more than this many slots per valid slot of its fullest row.
     compact_ratio = 1.5
+    compact_slack = 8  # ...plus this many, so short caches are not gathered every step
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
@@ -106,6 +107,7 @@ class CachedLM:
         )
         return out.logits.float()
 
+    @torch.inference_mode()
     def rollback(self, num_kept: list[int], num_new: int) -> None:
         """Of the last ``num_new`` slots, keep the first ``num_kept[b]`` for row b; the rest become holes and
         slots no row kept are cropped off the cache."""
@@ -113,13 +115,15 @@ class CachedLM:
             return
         kept = torch.tensor(num_kept, device=self.device)  # [B]
         columns = torch.arange(num_new, device=self.device)  # [num_new]
-        self.slot_mask[:, -num_new:] &= columns[None, :] < kept[:, None]
+        new_kept = self.slot_mask[:, -num_new:] & (columns[None, :] < kept[:, None])  # [B, num_new]
+        self.slot_mask = torch.cat([self.slot_mask[:, :-num_new], new_kept], dim=1)
         unused = num_new - max(num_kept, default=0)
         if unused > 0:
             self.cache.crop(-unused)
             self.slot_mask = self.slot_mask[:, :-unused]
         self._maybe_compact()
 
+    @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only ``rows`` (indices into the current batch), freeing the others' cache memory."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
@@ -132,10 +136,11 @@ class CachedLM:
             return
         valid_per_row = self.slot_mask.sum(dim=1)  # [B]
         longest = int(valid_per_row.max())
-        if self.num_slots <= self.compact_ratio * longest + 8:
+        if self.num_slots <= self.compact_ratio * longest + self.compact_slack:
             return
         self.compact()
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Gather each row's valid slots to the right end of a cache as long as its fullest row."""
         valid_per_row = self.slot_mask.sum(dim=1)  # [B]
