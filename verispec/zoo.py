@@ -506,6 +506,7 @@ def _save_atomic_dir(final: Path, save: Callable[[Path], None]) -> None:
     """Run ``save(tmpdir)`` then rename tmpdir to ``final``, so readers never see half a folder."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is as shareable as any other
     try:
         save(tmp)
         try:
