@@ -361,6 +361,19 @@ def test_recovered_token_excludes_the_rejected_draft_token():
         assert res.output_ids[0, 0].item() in (0, 1)
 
 
+def test_target_impossible_draft_token_is_never_accepted():
+    """A draft token the target gives probability 0 is rejected for every u, even when the draft probabilities
+    are inconsistent and also say 0 (0/0 must not count as acceptance; PITFALLS #12, zero placeholders)."""
+    draft_ids = torch.tensor([[0], [0], [0]])
+    draft_probs = torch.tensor([[[0.0, 1.0, 0.0]], [[0.5, 0.5, 0.0]], [[0.0, 0.0, 0.0]]], dtype=torch.float64)
+    target_probs = torch.tensor([[[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]]], dtype=torch.float64).expand(3, 2, 3)
+    for u in (0.0, 0.5, BELOW_ONE):
+        uniforms = torch.tensor([[u, 0.0]] * 3, dtype=torch.float64)
+        res = verify_sampled_from_uniforms(draft_ids, draft_probs, target_probs, uniforms)
+        assert res.num_accepted.tolist() == [0, 0, 0]
+        assert (res.output_ids[:, 0] != 0).all()
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_short_draft_lengths_use_target_not_residual(deterministic):
     """A row with draft_lengths[b] = n < k emits the bonus from target_probs[b, n] (not a residual), ignores the

@@ -1,27 +1,249 @@
-"""The ``verispec`` command line."""
+"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
+from collections.abc import Callable
 
 from . import __version__
+
+DEMO_PROMPT = (
+    "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
+    '    """Merge two sorted lists into one sorted list."""\n'
+)
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def _log(message: str) -> None:
+    print(f"[verispec] {message}", file=sys.stderr, flush=True)
+
+
+def load_model(name_or_path: str, dtype: str, device: str, progress: Callable[[str], None] | None = _log):
+    """Load a model and tokenizer by zoo name or path, turning loader errors into one-line CLI errors."""
+    from . import zoo
+
+    try:
+        return zoo.load(name_or_path, dtype=dtype, device=device, progress=progress)
+    except (zoo.ZooError, ValueError, OSError) as error:
+        raise CliError(f"cannot load model {name_or_path!r}: {error}") from error
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Speculative decoding needs one vocabulary; refuse tokenizers that map text differently."""
+    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+        raise CliError(
+            f"target and draft tokenizers differ ({len(target_tokenizer)} vs {len(draft_tokenizer)} tokens); "
+            "pick a draft from the same model family"
+        )
+
+
+def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _log):
+    """Load the target (and draft) named by ``args`` and return ``(decoder, tokenizer)``."""
+
+    from .decoder import SpeculativeDecoder
+    from .drafters import NGramDrafter
+    from .fast import prepack_linears, quantize_draft
+
+    target, tokenizer = load_model(args.target, args.dtype, args.device, progress)
+    if args.fast and prepack_linears(target):
+        progress("target: linear layers pre-packed for this CPU (same dtype)")
+    drafter, draft_model = None, None
+    if args.draft == "ngram":
+        drafter = NGramDrafter()
+    elif args.draft != "none":
+        draft_model, draft_tokenizer = load_model(args.draft, args.dtype, args.device, progress)
+        check_same_tokenizer(tokenizer, draft_tokenizer)
+        if args.fast and args.device == "cpu":
+            draft_model = quantize_draft(draft_model)
+            progress("draft: int8 dynamic quantisation (drafts may be lossy; the target decides)")
+        elif args.fast and prepack_linears(draft_model):
+            progress("draft: linear layers pre-packed")
+    gamma = args.num_draft_tokens
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=gamma, drafter=drafter, vocab_size=len(tokenizer))
+    return decoder, tokenizer
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise CliError("the prompt is empty after tokenisation")
+    return list(ids)
+
+
+def eos_ids(tokenizer, model) -> list[int]:
+    ids = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(source)
+    for token in ("<|im_end|>", "<|endoftext|>"):
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id >= 0:
+            ids.add(token_id)
+    return sorted(ids)
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive (decoding the whole output each time keeps multi-byte
+    characters intact)."""
+
+    def __init__(self, tokenizer, out=sys.stdout) -> None:
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def __call__(self, row: int, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
+            return
+        self.out.write(text[len(self.printed) :])
+        self.out.flush()
+        self.printed = text
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as handle:
+                return handle.read()
+        except OSError as error:
+            raise CliError(f"cannot read --prompt-file: {error}") from error
+    if sys.stdin.isatty():
+        raise CliError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    text = read_prompt(args)
+    decoder, tokenizer = build_decoder(args, _log if not args.json else (lambda m: None))
+    prompt_ids = encode_prompt(tokenizer, text, args.chat)
+    stream = None if args.json else TextStream(tokenizer)
+    started = time.perf_counter()
+    out = decoder.generate(
+        [prompt_ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, eos_token_id=eos_ids(tokenizer, decoder.target_model), seed=args.seed,
+        on_tokens=stream,
+    )
+    wall = time.perf_counter() - started
+    stats = out.stats
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": len(prompt_ids), "tokens": out.tokens[0],
+            "text": tokenizer.decode(out.tokens[0], skip_special_tokens=True),
+            "finish_reason": out.finish_reasons[0], "seed": out.seed, "wall_time_s": wall,
+            "tokens_per_second": len(out.tokens[0]) / wall if wall > 0 else 0.0, "stats": stats.to_dict(),
+        }))
+    else:
+        print()
+        _log(f"{stats.generated_tokens} tokens in {wall:.2f} s ({stats.generated_tokens / wall:.2f} tok/s); "
+             f"acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_row_step:.2f} tokens per target pass; "
+             f"finish: {out.finish_reasons[0]}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the real pair on a code prompt: target alone, then speculative; show both agree and the speed-up."""
+    _log(f"loading target {args.target} and draft {args.draft} (first run installs and verifies them; "
+         "a few minutes)")
+    decoder, tokenizer = build_decoder(args)
+    prompt_ids = encode_prompt(tokenizer, args.prompt or DEMO_PROMPT, chat=False)
+    eos = eos_ids(tokenizer, decoder.target_model)
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, eos_token_id=eos)
+    print(args.prompt or DEMO_PROMPT, end="", flush=True)
+    _log("warm-up pass")
+    decoder.generate([prompt_ids], max_new_tokens=4, draft=None)
+    _log("target alone (greedy):")
+    alone = decoder.generate([prompt_ids], draft=None, on_tokens=TextStream(tokenizer), **common)
+    print()
+    _log(f"speculative (greedy, {decoder.num_draft_tokens} draft tokens per step):")
+    spec = decoder.generate([prompt_ids], on_tokens=TextStream(tokenizer), **common)
+    print()
+    same = alone.tokens == spec.tokens
+    speedup = alone.stats.total_time_s / spec.stats.total_time_s
+    print(json.dumps({
+        "identical_output": same,
+        "tokens": len(spec.tokens[0]),
+        "target_alone_tokens_per_s": round(alone.stats.tokens_per_second, 3),
+        "speculative_tokens_per_s": round(spec.stats.tokens_per_second, 3),
+        "speedup": round(speedup, 3),
+        "acceptance_rate": round(spec.stats.acceptance_rate, 3),
+        "tokens_per_target_pass": round(spec.stats.tokens_per_row_step, 3),
+    }, indent=2))
+    if not same:
+        raise CliError("outputs differ: this is a bug, please report it with the command line above")
+    return 0
+
+
+def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
+    parser.add_argument("--draft", default=draft_default, help="zoo name, folder, .gguf path, 'ngram' or 'none'")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="G", help="draft tokens per step")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--no-fast", dest="fast", action="store_false",
+                        help="do not pre-pack the target's linear layers nor quantise the draft")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="verispec",
-        description="Exact speculative decoding for Hugging Face causal language models.",
-    )
+        prog="verispec", description="Exact speculative decoding for Hugging Face causal language models.")
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text, streamed as it is accepted")
+    _add_model_args(gen, draft_default="qwen2.5-coder-0.5b")
+    gen.add_argument("--prompt", help="prompt text (or --prompt-file, or stdin)")
+    gen.add_argument("--prompt-file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="real model pair: target alone vs speculative, identical output, speed-up")
+    _add_model_args(demo, draft_default="qwen2.5-coder-0.5b")
+    demo.set_defaults(max_new_tokens=64)
+    demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
+    demo.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    parser.parse_args(argv)
-    parser.print_help()
-    return 0
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        _log("interrupted")
+        return 130
+    except Exception as error:  # one clear line unless --debug
+        if args.debug:
+            raise
+        message = str(error) if isinstance(error, (CliError, ValueError)) else f"{type(error).__name__}: {error}"
+        print(f"verispec: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -324,13 +324,15 @@ class _DecodeLoop:
         k = min(self.gamma, max(remaining) - 1)  # never draft past the largest remaining budget
         uniforms = self._uniforms(k)
         proposal = self._propose(k, uniforms)
+        gamma = k  # uniforms were drawn for gamma drafts
+        k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
         target_logits = self._score(proposal.draft_ids)  # [B, k+1, V]
 
         t0 = time.perf_counter()
         finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
         target_logits = torch.where(finite[..., None], target_logits, 0.0)  # keep verification in range
         batch_size = len(self.active)
-        lengths = proposal.draft_lengths
+        lengths = None if proposal.draft_lengths is None else proposal.draft_lengths.to(self.device)
         if lengths is None:
             lengths = torch.full((batch_size,), k, dtype=torch.long, device=self.device)
         if self.sampling.greedy:
@@ -338,7 +340,7 @@ class _DecodeLoop:
         else:
             target_probs = probs_from_logits(target_logits, self.sampling)  # [B, k+1, V]
             result = verify_sampled_from_uniforms(
-                proposal.draft_ids, proposal.draft_probs, target_probs, uniforms[:, k:], lengths
+                proposal.draft_ids, proposal.draft_probs, target_probs, uniforms[:, gamma : gamma + k + 1], lengths
             )
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
         target_bad = (~finite & used).any(dim=-1)  # [B]
