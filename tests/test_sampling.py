@@ -5,7 +5,6 @@ All randomness comes from seeded ``torch.Generator`` objects; the global RNG is 
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -203,7 +202,9 @@ _BELOW_ONE = 1.0 - 2.0**-53  # largest float64 below 1
 
 def test_sample_from_probs_inverts_the_cdf():
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64).expand(9, 4)
-    uniforms = torch.tensor([0.0, 0.05, 0.1 - 1e-12, 0.1 + 1e-12, 0.29, 0.31, 0.59, 0.61, _BELOW_ONE], dtype=torch.float64)
+    uniforms = torch.tensor(
+        [0.0, 0.05, 0.1 - 1e-12, 0.1 + 1e-12, 0.29, 0.31, 0.59, 0.61, _BELOW_ONE], dtype=torch.float64
+    )
     expected = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3, 3])
     assert torch.equal(sample_from_probs(probs, uniforms), expected)
 
@@ -230,7 +231,8 @@ def test_sample_from_probs_never_zero_probability_or_out_of_range(dtype):
     probs = probs.to(dtype)
     probs = probs / probs.sum(-1, keepdim=True)
     special = torch.tensor([0.0, 1e-300, 2.0**-53, 0.5, 1 - 1e-9, 1 - 2.0**-40, _BELOW_ONE], dtype=torch.float64)
-    uniforms = torch.cat([special.repeat(rows // len(special) + 1)[: rows // 2], torch.rand(rows - rows // 2, generator=gen, dtype=torch.float64)])
+    fixed = special.repeat(rows // len(special) + 1)[: rows // 2]
+    uniforms = torch.cat([fixed, torch.rand(rows - rows // 2, generator=gen, dtype=torch.float64)])
     ids = sample_from_probs(probs, uniforms)
     assert ids.dtype == torch.int64 and ids.shape == (rows,)
     assert ((ids >= 0) & (ids < vocab)).all()

@@ -64,9 +64,16 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
             progress("draft: int8 dynamic quantisation (drafts may be lossy; the target decides)")
         elif args.fast and prepack_linears(draft_model):
             progress("draft: linear layers pre-packed")
-    gamma = args.num_draft_tokens
+    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
     decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=gamma, drafter=drafter, vocab_size=len(tokenizer))
     return decoder, tokenizer
+
+
+def _int_arg(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"--num-draft-tokens must be an integer, 'auto' or 'heuristic', got {value!r}") from None
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -170,7 +177,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _log("target alone (greedy):")
     alone = decoder.generate([prompt_ids], draft=None, on_tokens=TextStream(tokenizer), **common)
     print()
-    _log(f"speculative (greedy, {decoder.num_draft_tokens} draft tokens per step):")
+    _log(f"speculative (greedy, draft length {decoder.num_draft_tokens}):")
     spec = decoder.generate([prompt_ids], on_tokens=TextStream(tokenizer), **common)
     print()
     same = alone.tokens == spec.tokens
@@ -192,7 +199,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
     parser.add_argument("--draft", default=draft_default, help="zoo name, folder, .gguf path, 'ngram' or 'none'")
-    parser.add_argument("--num-draft-tokens", type=int, default=5, metavar="G", help="draft tokens per step")
+    parser.add_argument("--num-draft-tokens", default="auto", metavar="G",
+                        help="draft tokens per step: an integer, 'auto' (cost model, default) or 'heuristic'")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",

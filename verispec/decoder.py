@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from .adapters import CachedLM, max_positions, model_device, model_vocab_size
 from .drafters import Drafter, ModelDrafter, Proposal, left_pad, padded_positions
+from .gamma import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma
 from .sampling import SamplingParams, probs_from_logits
 from .telemetry import GenerationStats
 from .verify import verify_greedy, verify_sampled_from_uniforms
@@ -96,12 +97,12 @@ class SpeculativeDecoder:
         self,
         target_model: PreTrainedModel,
         draft_model: PreTrainedModel | None = None,
-        num_draft_tokens: int = 4,
+        num_draft_tokens: int | str | GammaPolicy = "auto",
         *,
         drafter: Drafter | None = None,
         vocab_size: int | None = None,
     ) -> None:
-        _check_gamma(num_draft_tokens)
+        self.gamma_policy = make_gamma_policy(num_draft_tokens)
         if draft_model is not None and drafter is not None:
             raise ValueError("pass either draft_model or drafter, not both")
         self.target_model = target_model.eval()
@@ -115,6 +116,7 @@ class SpeculativeDecoder:
         self.drafter = drafter
         self.num_draft_tokens = num_draft_tokens
         self.target = CachedLM(target_model)
+        self._auto_policy = self.gamma_policy if isinstance(self.gamma_policy, CostModelGamma) else CostModelGamma()
 
     def _model_drafter(self, draft_model: PreTrainedModel, vocab_size: int | None) -> ModelDrafter:
         draft_device = model_device(draft_model)
@@ -140,7 +142,7 @@ class SpeculativeDecoder:
         attention_mask: torch.Tensor | None = None,
         *,
         draft: PreTrainedModel | Drafter | None | object = _USE_DECODER_DRAFT,
-        num_draft_tokens: int | None = None,
+        num_draft_tokens: int | str | GammaPolicy | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
@@ -156,8 +158,9 @@ class SpeculativeDecoder:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         eos_ids = self._eos_ids(eos_token_id)
-        gamma = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        _check_gamma(gamma)
+        policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
+        if num_draft_tokens == "auto":
+            policy = self._auto_policy  # costs measured by earlier calls stay valid
         drafter = self.drafter if draft is _USE_DECODER_DRAFT else draft
         if isinstance(drafter, PreTrainedModel):
             drafter = self._model_drafter(drafter, None)
@@ -178,7 +181,7 @@ class SpeculativeDecoder:
             if sampling.greedy
             else [torch.Generator().manual_seed(_row_seed(seed, row)) for row in range(len(prompts))]
         )
-        loop = _DecodeLoop(self, drafter, sampling, gamma if drafter is not None else 0, eos_ids, on_tokens)
+        loop = _DecodeLoop(self, drafter, sampling, policy if drafter is not None else FixedGamma(0), eos_ids, on_tokens)
         output = loop.run(prompts, max_new_tokens, generators)
         output.seed = seed
         if loop.error_step is not None:
@@ -230,9 +233,18 @@ class SpeculativeDecoder:
         return frozenset(ids)
 
 
-def _check_gamma(gamma: object) -> None:
-    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, got {gamma!r}")
+def make_gamma_policy(num_draft_tokens: int | str | GammaPolicy) -> GammaPolicy:
+    """``int`` (fixed), ``"auto"`` (Leviathan et al.'s cost model, online), ``"heuristic"`` (transformers'
+    +2 / -1 schedule) or a ``GammaPolicy``."""
+    if isinstance(num_draft_tokens, GammaPolicy):
+        return num_draft_tokens
+    if num_draft_tokens == "auto":
+        return CostModelGamma()
+    if num_draft_tokens == "heuristic":
+        return HeuristicGamma()
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an integer >= 1, 'auto' or 'heuristic', got {num_draft_tokens!r}")
+    return FixedGamma(num_draft_tokens)
 
 
 def _sync(device: torch.device) -> None:
@@ -244,12 +256,13 @@ class _DecodeLoop:
     """State of one ``generate`` call: the active rows and their committed tokens."""
 
     def __init__(self, decoder: SpeculativeDecoder, drafter: Drafter | None, sampling: SamplingParams,
-                 gamma: int, eos_ids: frozenset[int], on_tokens: Callable[[int, list[int]], None] | None) -> None:
+                 policy: GammaPolicy, eos_ids: frozenset[int], on_tokens: Callable[[int, list[int]], None] | None) -> None:
         self.decoder, self.target, self.drafter = decoder, decoder.target, drafter
-        self.sampling, self.gamma, self.eos_ids, self.on_tokens = sampling, gamma, eos_ids, on_tokens
+        self.sampling, self.policy, self.eos_ids, self.on_tokens = sampling, policy, eos_ids, on_tokens
+        policy.reset()
         self.device = decoder.device
         self.vocab_size = decoder.vocab_size
-        self.stats = GenerationStats(num_draft_tokens=gamma)
+        self.stats = GenerationStats(num_draft_tokens=policy.name)
         self.error_step: int | None = None
 
     def run(self, prompts: list[list[int]], max_new_tokens: int,
@@ -321,7 +334,8 @@ class _DecodeLoop:
 
     def _step(self) -> None:
         remaining = [self.max_new_tokens - len(self.outputs[r]) for r in self.active]
-        k = min(self.gamma, max(remaining) - 1)  # never draft past the largest remaining budget
+        k = self.policy.choose(max(remaining) - 1)  # never draft past the largest remaining budget
+        draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
         uniforms = self._uniforms(k)
         proposal = self._propose(k, uniforms)
         gamma = k  # uniforms were drawn for gamma drafts
@@ -349,6 +363,8 @@ class _DecodeLoop:
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
         ).tolist()
         self.stats.verify_time_s += time.perf_counter() - t0
+        self.policy.observe(k, [row[1] for row in host], [row[0] for row in host],
+                            self.stats.draft_time_s - draft_time, self.stats.target_time_s - target_time)
         self._commit(k, host)
 
     def _commit(self, k: int, host: list[list[int]]) -> None:

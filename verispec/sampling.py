@@ -8,6 +8,7 @@ ratio). Order and semantics follow transformers' ``generate``: temperature, then
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
+        ):
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
@@ -38,7 +41,9 @@ class SamplingParams:
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Apply temperature, top-k and top-p to ``logits`` (``[..., V]``); returns float32 logits with ``-inf``
-    outside the kept set. Not for greedy params (greedy needs no warping)."""
+    outside the kept set. Greedy params have no distribution to warp (use argmax): ValueError."""
+    if params.greedy:
+        raise ValueError("temperature 0 means greedy: there is no sampling distribution, use argmax")
     logits = logits.float() / params.temperature  # [..., V]
     vocab_size = logits.shape[-1]
     if params.top_k is not None and params.top_k < vocab_size:

@@ -114,7 +114,9 @@ def verify_sampled_from_uniforms(
     batch_size, k = draft_ids.shape
     vocab_size = target_probs.shape[-1]
     valid = _draft_valid(draft_ids, draft_lengths)  # [B, k]
-    accept = (uniforms[:, :k].to(target_probs) < acceptance_probs(draft_ids, draft_probs, target_probs)) & valid
+    # Compare in float64: a float32 uniform just below 1 would round to 1 and reject a certain draft.
+    accept_probs = acceptance_probs(draft_ids, draft_probs, target_probs).to(uniforms.dtype)  # [B, k]
+    accept = (uniforms[:, :k] < accept_probs) & valid
     num_accepted = _leading_true(accept)  # [B]
 
     gather_at = num_accepted[:, None, None].expand(batch_size, 1, vocab_size)  # [B, 1, V]

@@ -1,0 +1,167 @@
+"""Draft-length policies: how many tokens to draft at the next step.
+
+- ``FixedGamma(g)``: always g.
+- ``HeuristicGamma``: transformers' assisted-generation schedule (+2 after a fully accepted block, -1
+  otherwise, never below 1).
+- ``CostModelGamma`` (``num_draft_tokens="auto"``): Leviathan et al.'s model. With per-token acceptance
+  ``a``, a step with g drafts emits ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs
+  ``g * t_draft + t_target(g + 1)``; pick the g with the most tokens per second. ``a`` is estimated online
+  per request; ``t_draft`` and ``t_target(m)`` are measured online (scoring m tokens is *not* as cheap as
+  one on a CPU), with unmeasured sizes interpolated from measured ones and probed when they might win.
+
+Policies only choose lengths; exactness never depends on them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class GammaPolicy:
+    """Interface: ``choose`` before a step, ``observe`` after it."""
+
+    name = "policy"
+
+    def reset(self) -> None:
+        """Forget per-request state (acceptance); keep machine-level measurements (costs)."""
+
+    def choose(self, max_gamma: int) -> int:
+        raise NotImplementedError
+
+    def observe(self, gamma: int, draft_lengths: list[int], num_accepted: list[int],
+                draft_time_s: float, target_time_s: float) -> None:
+        """Learn from a step that drafted ``gamma`` tokens (0 = target alone)."""
+
+
+class FixedGamma(GammaPolicy):
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+        self.name = str(gamma)
+
+    def choose(self, max_gamma: int) -> int:
+        return min(self.gamma, max_gamma)
+
+
+class HeuristicGamma(GammaPolicy):
+    """transformers' schedule: +2 after a block accepted in full (every row), else -1."""
+
+    name = "heuristic"
+
+    def __init__(self, start: int = 5, max_gamma: int = 16) -> None:
+        self.start, self.max_gamma = start, max_gamma
+        self.reset()
+
+    def reset(self) -> None:
+        self.gamma = self.start
+
+    def choose(self, max_gamma: int) -> int:
+        return min(self.gamma, max_gamma)
+
+    def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
+        if gamma == 0:
+            return
+        if all(n == length for n, length in zip(num_accepted, draft_lengths)):
+            self.gamma = min(self.gamma + 2, self.max_gamma)
+        else:
+            self.gamma = max(self.gamma - 1, 1)
+
+
+def expected_tokens(acceptance: float, gamma: int) -> float:
+    """Mean tokens per step with ``gamma`` drafts, each kept with probability ``acceptance`` (iid)."""
+    if acceptance >= 1.0:
+        return gamma + 1.0
+    return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
+
+
+def best_gamma(acceptance: float, draft_cost: float, target_cost: list[float], max_gamma: int) -> int:
+    """argmax over g in [0, max_gamma] of expected_tokens(a, g) / (g * draft_cost + target_cost[g]),
+    where ``target_cost[g]`` is the cost of scoring g+1 tokens. Ties go to the shorter draft."""
+    best, best_rate = 0, -math.inf
+    for g in range(0, max_gamma + 1):
+        rate = expected_tokens(acceptance, g) / (g * draft_cost + target_cost[g])
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = g, rate
+    return best
+
+
+@dataclass
+class _Ema:
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float, weight: float = 0.2) -> None:
+        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+        self.count += 1
+
+
+@dataclass
+class CostModelGamma(GammaPolicy):
+    """Choose gamma from Leviathan et al.'s cost model with online estimates (see module docstring)."""
+
+    max_gamma: int = 10
+    prior_acceptance: float = 0.7  # a prior worth `prior_weight` observations, so the first steps draft
+    prior_weight: float = 4.0
+    name: str = "auto"
+    target_cost: dict[int, _Ema] = field(default_factory=dict)  # tokens scored -> seconds
+    draft_cost: _Ema = field(default_factory=_Ema)  # seconds per draft token
+    accepted: float = 0.0
+    trials: float = 0.0  # accepted + rejection events: the MLE of a geometric acceptance with censoring
+    probe_every: int = 8  # while the model says "don't draft", still draft 1 token this often to re-measure
+    _idle_steps: int = 0
+
+    def reset(self) -> None:
+        self.accepted = self.trials = 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return (self.accepted + self.prior_acceptance * self.prior_weight) / (self.trials + self.prior_weight)
+
+    def _target_costs(self, max_gamma: int) -> list[float]:
+        """Seconds to score g+1 tokens for g = 0..max_gamma: measured, else interpolated between measured
+        sizes, else extrapolated with the slope of the two largest measured sizes (flat if only one)."""
+        known = sorted((m, ema.value) for m, ema in self.target_cost.items() if ema.value is not None)
+        costs = []
+        for g in range(max_gamma + 1):
+            m = g + 1
+            below = [(x, y) for x, y in known if x <= m]
+            above = [(x, y) for x, y in known if x >= m]
+            if below and above:
+                (x0, y0), (x1, y1) = below[-1], above[0]
+                costs.append(y0 if x0 == x1 else y0 + (y1 - y0) * (m - x0) / (x1 - x0))
+            elif below:
+                if len(below) >= 2:
+                    (x0, y0), (x1, y1) = below[-2], below[-1]
+                    slope = max((y1 - y0) / (x1 - x0), 0.0)
+                else:
+                    x1, y1, slope = below[-1][0], below[-1][1], 0.0
+                costs.append(y1 + slope * (m - x1))
+            else:
+                costs.append(above[0][1])
+        return costs
+
+    def choose(self, max_gamma: int) -> int:
+        max_gamma = min(max_gamma, self.max_gamma)
+        if not self.target_cost or self.draft_cost.value is None:
+            return min(max(1, round(self.max_gamma / 2)), max_gamma)  # measure something first
+        costs = self._target_costs(max_gamma)
+        choice = best_gamma(self.acceptance, self.draft_cost.value, costs, max_gamma)
+        if choice == 0 and max_gamma >= 1:
+            self._idle_steps += 1
+            if self._idle_steps >= self.probe_every:
+                self._idle_steps = 0
+                return 1
+            return 0
+        # Probe the next size up once if it has never been measured: extrapolation may undersell it.
+        if choice < max_gamma and (choice + 2) not in self.target_cost and choice + 1 <= max_gamma:
+            return choice + 1
+        return choice
+
+    def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
+        self.target_cost.setdefault(gamma + 1, _Ema()).add(target_time_s)
+        proposed = sum(draft_lengths)
+        if proposed and gamma:
+            self.draft_cost.add(draft_time_s / gamma)
+        for n, length in zip(num_accepted, draft_lengths):
+            self.accepted += n
+            self.trials += n + (1 if n < length else 0)
