@@ -25,7 +25,9 @@ from transformers.cache_utils import DynamicLayer
 def model_vocab_size(model: PreTrainedModel) -> int:
     """Number of logits the model produces per position."""
     head = model.get_output_embeddings()
-    if head is not None and getattr(head, "weight", None) is not None:
+    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear, packed or quantised linears
+        return head.out_features
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
         return int(head.weight.shape[0])
     return int(model.config.get_text_config().vocab_size)
 

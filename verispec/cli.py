@@ -106,8 +106,8 @@ class TextStream:
     """Prints decoded text as tokens arrive (decoding the whole output each time keeps multi-byte
     characters intact)."""
 
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
         self.printed = ""
 

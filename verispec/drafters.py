@@ -9,9 +9,12 @@ the output exact: the target decides.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters import CachedLM
@@ -150,6 +153,17 @@ class ModelDrafter(Drafter):
         self.cached = self.cached[torch.tensor(rows, dtype=torch.long)]
 
 
+def lookup_proposal(found: list[list[int]], width: int = 0) -> Proposal:
+    """A deterministic proposal from per-row token lists (of any lengths, empty = nothing proposed), at
+    least ``width`` columns wide."""
+    width = max([width] + [len(f) for f in found])
+    draft_ids = torch.zeros(len(found), width, dtype=torch.long)  # [B, width]
+    for b, tokens in enumerate(found):
+        draft_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    lengths = torch.tensor([len(f) for f in found], dtype=torch.long)  # [B]
+    return Proposal(draft_ids=draft_ids, draft_probs=None, draft_lengths=lengths)
+
+
 class NGramDrafter(Drafter):
     """Prompt lookup: no model. Match the longest recent n-gram of a row's context (prompt and output) and
     propose what followed its most recent earlier occurrence. Deterministic: proposals enter verification
@@ -182,13 +196,7 @@ class NGramDrafter(Drafter):
         return []
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
-        found = [self.lookup(h, num_draft_tokens) for h in self.histories]
-        width = max(len(f) for f in found)
-        draft_ids = torch.zeros(len(found), width, dtype=torch.long)
-        for b, tokens in enumerate(found):
-            draft_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        lengths = torch.tensor([len(f) for f in found], dtype=torch.long)
-        return Proposal(draft_ids=draft_ids, draft_probs=None, draft_lengths=lengths)
+        return lookup_proposal([self.lookup(h, num_draft_tokens) for h in self.histories])
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for history, tokens in zip(self.histories, new_tokens):
@@ -196,3 +204,196 @@ class NGramDrafter(Drafter):
 
     def select_rows(self, rows: list[int]) -> None:
         self.histories = [self.histories[r] for r in rows]
+
+
+# --- Early exit: the target's first layers as its own draft ----------------------------------------------------
+
+
+def _layer_count(model: PreTrainedModel) -> int | None:
+    """The decoder's layer count from its config (``num_hidden_layers``, aliased ``n_layer`` for GPT-2)."""
+    value = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def find_decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str]:
+    """Locate the decoder's stack of blocks, without knowing the model class: the ``nn.ModuleList`` with
+    ``num_hidden_layers`` entries (the one holding most parameters if several do, or the largest list when
+    the config names no count). Returns ``(parent module, attribute name)``, e.g. ``(model.transformer, "h")``
+    for GPT-2 or ``(model.model, "layers")`` for Llama / Qwen2."""
+    count = _layer_count(model)
+    candidates = [
+        (sum(p.numel() for p in module.parameters()), name)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and (count is None or len(module) == count)
+    ]
+    if not candidates:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no nn.ModuleList of {count} blocks)")
+    _, name = max(candidates)
+    parent_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(parent_name), attribute
+
+
+@contextmanager
+def truncated_layers(model: PreTrainedModel, num_layers: int,
+                     where: tuple[nn.Module, str] | None = None) -> Iterator[None]:
+    """Within the block, ``model`` runs only its first ``num_layers`` decoder layers, then its own final norm
+    and output head (which its forward applies after the layer loop). No weight is copied: the layer list is
+    swapped for a shorter list of the same modules, and the config's layer count (which some forwards slice
+    by, and which sizes a ``DynamicCache(config=...)``) is lowered to match. Both are restored on exit, also
+    when the block raises. Not thread-safe: nothing else may run ``model`` meanwhile."""
+    parent, attribute = where if where is not None else find_decoder_layers(model)
+    layers = getattr(parent, attribute)
+    if not 1 <= num_layers <= len(layers):
+        raise ValueError(f"num_layers must be in [1, {len(layers)}], got {num_layers}")
+    config = model.config.get_text_config(decoder=True)
+    count = getattr(config, "num_hidden_layers", None)
+    try:
+        setattr(parent, attribute, layers[:num_layers])  # a new ModuleList of the same layer modules
+        if count is not None:
+            config.num_hidden_layers = num_layers
+        yield
+    finally:
+        setattr(parent, attribute, layers)
+        if count is not None:
+            config.num_hidden_layers = count
+
+
+class EarlyExitDrafter(ModelDrafter):
+    """Self-speculation: the target's first ``num_layers`` decoder layers, its final norm and its output head
+    draft for the full target (LayerSkip-style early exit, without the fine-tuning that makes exits good).
+
+    Memory: no second copy of the weights; the draft's KV cache has ``num_layers`` layers only (it is created
+    while the layer count is lowered). Each draft forward pass runs inside :func:`truncated_layers`; between
+    passes the model is whole, so the decoder's target passes see every layer. Exactness never depends on
+    the exit: with ``num_layers`` equal to the layer count the drafts are the target's own greedy tokens.
+    """
+
+    def __init__(self, target_model: PreTrainedModel, num_layers: int) -> None:
+        self._where = find_decoder_layers(target_model)
+        total = len(getattr(*self._where))
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= total:
+            raise ValueError(f"num_layers must be an integer in [1, {total}], got {num_layers!r}")
+        self.num_layers = num_layers
+        with truncated_layers(target_model, num_layers, self._where):
+            super().__init__(target_model)
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
+        with truncated_layers(self.model, self.num_layers, self._where):
+            super().start(prompts, sampling, vocab_size)  # resets the cache: num_layers layers
+
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+        with truncated_layers(self.model, self.num_layers, self._where):
+            return super().propose(num_draft_tokens, uniforms)
+
+
+# --- Composite: prompt lookup where it matches, a draft model elsewhere -----------------------------------------
+
+
+class CompositeDrafter(Drafter):
+    """Prompt lookup (``primary``) for rows whose context it matches, ``fallback`` (typically a model) for the
+    others, in one proposal per step.
+
+    Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
+    ``draft_probs`` are one-hot, which is exactly the distribution a deterministic proposal was drawn from;
+    see ``verify.py``); the other rows propose the fallback's k tokens with the fallback's distributions.
+
+    Cost trade-off: when *some* rows match, the fallback still drafts for the whole batch (its k passes are
+    batched anyway, and it must keep in step). When *every* row matches, the fallback is skipped for that
+    step and costs nothing; it then catches up on the committed tokens in its next proposal (one wider
+    pass), which the ``Drafter`` contract allows (``update`` after a step it did not propose in).
+
+    Keeping the fallback's cache in sync: after a step, each row's fallback drafts that coincide with the
+    committed tokens are reported to it as accepted (capped so the last committed token stays pending), the
+    rest as rejected. For rows that used the fallback this is exactly the verifier's count; for lookup rows it
+    keeps whatever the fallback had cached correctly. Output stays exact in every case: the target decides.
+    """
+
+    def __init__(self, primary: NGramDrafter, fallback: Drafter) -> None:
+        self.primary, self.fallback = primary, fallback
+        self._fallback_ids: list[list[int]] | None = None  # the fallback's proposal this step, per row
+
+    @property
+    def calls(self) -> int:  # type: ignore[override]
+        return self.primary.calls + self.fallback.calls
+
+    @property
+    def needs_uniforms(self) -> bool:  # type: ignore[override]
+        return self.fallback.needs_uniforms
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
+        self.sampling, self.vocab_size = sampling, vocab_size
+        self.primary.start(prompts, sampling, vocab_size)
+        self.fallback.start(prompts, sampling, vocab_size)
+        self._fallback_ids = None
+        self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
+        self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
+
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+        found = [self.primary.lookup(h, num_draft_tokens) for h in self.primary.histories]  # [] = no match
+        lookup = [b for b, tokens in enumerate(found) if tokens]
+        self.lookup_rows += len(lookup)
+        if len(lookup) == len(found):
+            self.fallback_skipped += 1
+            return lookup_proposal(found)
+        proposal = self.fallback.propose(num_draft_tokens, uniforms)
+        batch_size, width = proposal.draft_ids.shape
+        lengths = (
+            torch.full((batch_size,), width, dtype=torch.long)
+            if proposal.draft_lengths is None
+            else proposal.draft_lengths.to("cpu", torch.long)
+        )  # [B]
+        self._fallback_ids = [row[:n].tolist() for row, n in zip(proposal.draft_ids.cpu(), lengths.tolist())]
+        if not lookup:
+            return proposal
+
+        device = proposal.draft_ids.device
+        width = max([width] + [len(found[b]) for b in lookup])  # a short fallback proposal must not cut lookups
+        draft_ids = _pad_columns(proposal.draft_ids, width, 0)  # [B, width]
+        draft_probs = None if proposal.draft_probs is None else _pad_columns(proposal.draft_probs, width, 0.0)  # [B, width, V]
+        lengths = lengths.clone()
+        for b in lookup:
+            tokens = torch.tensor(found[b], dtype=torch.long, device=device)  # [n]
+            draft_ids[b, : len(tokens)] = tokens
+            lengths[b] = len(tokens)
+            if draft_probs is not None:  # one-hot: the law a deterministic proposal is drawn from
+                draft_probs[b, : len(tokens)] = 0.0
+                draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
+        nonfinite = proposal.nonfinite_rows
+        if nonfinite is not None:
+            nonfinite = nonfinite.clone()
+            nonfinite[torch.tensor(lookup, device=nonfinite.device)] = False  # their model drafts were not used
+        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device),
+                        nonfinite_rows=nonfinite)
+
+    def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        self.primary.update(num_accepted, new_tokens)
+        if self._fallback_ids is None:  # the fallback did not propose this step
+            self.fallback.update([0] * len(new_tokens), new_tokens)
+            return
+        own_accepted = [
+            min(_common_prefix(drafts, tokens), len(tokens) - 1)
+            for drafts, tokens in zip(self._fallback_ids, new_tokens)
+        ]
+        self.fallback.update(own_accepted, new_tokens)
+        self._fallback_ids = None
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.primary.select_rows(rows)
+        self.fallback.select_rows(rows)
+
+
+def _pad_columns(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """A copy of ``values`` ([B, k, ...]) padded with ``fill`` to ``width`` columns along dim 1."""
+    if values.shape[1] >= width:
+        return values.clone()
+    pad = values.new_full((values.shape[0], width - values.shape[1], *values.shape[2:]), fill)
+    return torch.cat([values, pad], dim=1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -12,6 +12,8 @@ drafts only: any draft keeps the output exact, since the target decides.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -73,7 +75,9 @@ def quantize_draft(model: nn.Module) -> nn.Module:
     """
     from torch.ao.quantization import quantize_dynamic
 
-    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
+    with warnings.catch_warnings():  # torch.ao's eager quantisation is deprecated in favour of torchao, which
+        warnings.simplefilter("ignore")  # is not installed here; it still works in torch 2.13
+        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
 
 
 __all__ = ["PackedLinear", "packing_supported", "prepack_linears", "quantize_draft"]

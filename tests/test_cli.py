@@ -1,0 +1,115 @@
+"""The ``verispec`` command line on tiny model folders (no downloads)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from verispec.cli import main
+
+WORDS = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print hello world".split()
+
+
+def _save_model(folder: Path, words: list[str], seed: int) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("cli-models")
+    return {
+        "target": str(_save_model(root / "target", WORDS, 0)),
+        "draft": str(_save_model(root / "draft", WORDS, 1)),
+        "other": str(_save_model(root / "other", WORDS[:-2] + ["foo", "bar"], 2)),
+    }
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_equals_the_target_alone(models, capsys) -> None:
+    common = ["generate", "--target", models["target"], "--prompt", "def x ( y ) :", "--max-new-tokens", "9", "--json"]
+    code, out, _ = run(capsys, *common, "--draft", models["draft"], "--num-draft-tokens", "3")
+    assert code == 0
+    spec = json.loads(out)
+    code, out, _ = run(capsys, *common, "--draft", "none")
+    alone = json.loads(out)
+    assert spec["tokens"] == alone["tokens"] and 1 <= len(spec["tokens"]) <= 9
+    assert spec["stats"]["draft_tokens"] > 0 and alone["stats"]["draft_tokens"] == 0
+    assert set(spec) >= {"text", "tokens", "stats", "wall_time_s", "tokens_per_second", "finish_reason"}
+
+
+def test_generate_streams_text_and_reports(models, capsys) -> None:
+    argv = ["generate", "--target", models["target"], "--draft", "ngram", "--prompt", "x + 1 x + 1 x +",
+            "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3"]
+    code, streamed, err = run(capsys, *argv)
+    assert code == 0
+    assert "tok/s" in err and "acceptance" in err
+    code, out, _ = run(capsys, *argv, "--json")
+    result = json.loads(out)
+    assert result["text"].strip() and streamed.strip() == result["text"].strip()  # same seed, same text
+
+
+def test_prompt_from_stdin(models, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello world"))
+    code, out, _ = run(capsys, "generate", "--target", models["target"], "--draft", "none", "--max-new-tokens", "3",
+                       "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--target", "/no/such/model"], "does not exist"),
+        (["--target", "not-a-zoo-name"], "known zoo models"),
+        (["--dtype", "float13"], "dtype"),
+        (["--num-draft-tokens", "many"], "--num-draft-tokens"),
+        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--temperature", "-1"], "temperature"),
+        (["--draft", "OTHER"], "tokenizers differ"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(models, capsys, argv, message) -> None:
+    argv = [models["other"] if a == "OTHER" else a for a in argv]
+    base = {"--target": models["target"], "--draft": models["draft"]}
+    for flag, value in zip(argv[::2], argv[1::2]):
+        base[flag] = value
+    flat = [x for pair in base.items() for x in pair]
+    code, _, err = run(capsys, "generate", *flat, "--prompt", "def x", "--max-new-tokens", "2")
+    assert code == 2
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) >= 1 and err.strip().splitlines()[-1].startswith("verispec: error:")
+
+
+def test_debug_shows_the_traceback(models) -> None:
+    result = subprocess.run([sys.executable, "-m", "verispec.cli", "--debug", "generate", "--target", "/no/such",
+                             "--prompt", "x"], capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_version_and_help(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and "verispec" in capsys.readouterr().out
+    assert main([]) == 0 and "generate" in capsys.readouterr().out
