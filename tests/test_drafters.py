@@ -26,8 +26,6 @@ from verispec.drafters import (
 from verispec.fast import quantize_draft
 from verispec.sampling import SamplingParams, probs_from_logits
 
-quantization_deprecated = pytest.mark.filterwarnings("ignore:torch.ao.quantization is deprecated:DeprecationWarning")
-
 # --- NGramDrafter.lookup ---------------------------------------------------------------------------------------
 
 
@@ -92,7 +90,9 @@ def _layers(model):
     return getattr(parent, attribute)
 
 
-@pytest.mark.parametrize("kind, path", [("gpt2", "transformer.h"), ("llama", "model.layers"), ("qwen2", "model.layers")])
+@pytest.mark.parametrize(
+    "kind, path", [("gpt2", "transformer.h"), ("llama", "model.layers"), ("qwen2", "model.layers")]
+)
 def test_decoder_layers_are_found_without_knowing_the_class(kind: str, path: str) -> None:
     model = build(kind, layers=3)
     parent, attribute = find_decoder_layers(model)
@@ -221,7 +221,6 @@ EXACTNESS_ROWS = [(3, 63), (5, 40), (8, 42)]
 DRAFTERS = ("model", "ngram", "early_exit", "composite", "composite_early_exit", "int8")
 
 
-@quantization_deprecated
 @pytest.mark.parametrize("batch_size", [1, 3])
 @pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("kind", KINDS)
@@ -268,7 +267,8 @@ class Recording(Drafter):
         proposal = self.inner.propose(num_draft_tokens, uniforms)
         width = proposal.draft_ids.shape[1]
         lengths = [width] * len(self.histories) if proposal.draft_lengths is None else proposal.draft_lengths.tolist()
-        self.steps.append([(list(h), proposal.draft_ids[b, : lengths[b]].tolist()) for b, h in enumerate(self.histories)])
+        drafts = [proposal.draft_ids[b, : lengths[b]].tolist() for b in range(len(self.histories))]
+        self.steps.append([(list(h), d) for h, d in zip(self.histories, drafts)])
         return proposal
 
     def update(self, num_accepted, new_tokens) -> None:
@@ -448,7 +448,9 @@ def _chi_square_p(observed: np.ndarray, law: np.ndarray) -> float:
     return scipy_stats.chisquare(merged_obs, merged_exp * merged_obs.sum() / merged_exp.sum()).pvalue
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)])
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)]
+)
 @pytest.mark.parametrize("name", ["ngram", "composite"])
 def test_sampled_tokens_follow_the_target_law(name: str, settings) -> None:
     target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)

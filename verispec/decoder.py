@@ -151,7 +151,9 @@ class SpeculativeDecoder:
         of any lengths, or one list. ``draft=None`` runs the target alone through the same loop (the
         baseline); another model or ``Drafter`` overrides the decoder's draft for this call.
         ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted.
-        ``seed`` makes sampling reproducible; the global RNG is never used.
+        ``seed`` makes sampling reproducible (same seed, same tokens; with ``num_draft_tokens="auto"`` a
+        seeded sampling call uses the timing-free "heuristic" schedule, since timings are not reproducible);
+        the global RNG is never used.
         """
         sampling = SamplingParams(temperature, top_k, top_p)
         prompts = self._prompts(input_ids, attention_mask)
@@ -161,6 +163,10 @@ class SpeculativeDecoder:
         policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
         if num_draft_tokens == "auto":
             policy = self._auto_policy  # costs measured by earlier calls stay valid
+        if isinstance(policy, CostModelGamma) and seed is not None and not sampling.greedy:
+            # The cost model's choices depend on measured timings, and with rejection sampling the tokens
+            # depend on where blocks end: a seed must reproduce tokens, so use a timing-free schedule.
+            policy = HeuristicGamma()
         drafter = self.drafter if draft is _USE_DECODER_DRAFT else draft
         if isinstance(drafter, PreTrainedModel):
             drafter = self._model_drafter(drafter, None)
@@ -338,6 +344,9 @@ class _DecodeLoop:
         draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
         uniforms = self._uniforms(k)
         proposal = self._propose(k, uniforms)
+        proposal.draft_ids = proposal.draft_ids.to(self.device)  # drafters may propose from the CPU (n-gram)
+        if proposal.draft_probs is not None:
+            proposal.draft_probs = proposal.draft_probs.to(self.device)
         gamma = k  # uniforms were drawn for gamma drafts
         k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
         target_logits = self._score(proposal.draft_ids)  # [B, k+1, V]

@@ -153,10 +153,9 @@ class ModelDrafter(Drafter):
         self.cached = self.cached[torch.tensor(rows, dtype=torch.long)]
 
 
-def lookup_proposal(found: list[list[int]], width: int = 0) -> Proposal:
-    """A deterministic proposal from per-row token lists (of any lengths, empty = nothing proposed), at
-    least ``width`` columns wide."""
-    width = max([width] + [len(f) for f in found])
+def lookup_proposal(found: list[list[int]]) -> Proposal:
+    """A deterministic proposal from per-row token lists (of any lengths; empty = nothing proposed)."""
+    width = max((len(f) for f in found), default=0)
     draft_ids = torch.zeros(len(found), width, dtype=torch.long)  # [B, width]
     for b, tokens in enumerate(found):
         draft_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
@@ -183,7 +182,6 @@ class NGramDrafter(Drafter):
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         self.histories = [list(p) for p in prompts]
-        self.device = None
 
     def lookup(self, history: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest matching suffix."""
@@ -227,7 +225,9 @@ def find_decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str]:
         if isinstance(module, nn.ModuleList) and len(module) > 0 and (count is None or len(module) == count)
     ]
     if not candidates:
-        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (no nn.ModuleList of {count} blocks)")
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__} (no nn.ModuleList of {count} blocks)"
+        )
     _, name = max(candidates)
     parent_name, _, attribute = name.rpartition(".")
     return model.get_submodule(parent_name), attribute
@@ -349,7 +349,9 @@ class CompositeDrafter(Drafter):
         device = proposal.draft_ids.device
         width = max([width] + [len(found[b]) for b in lookup])  # a short fallback proposal must not cut lookups
         draft_ids = _pad_columns(proposal.draft_ids, width, 0)  # [B, width]
-        draft_probs = None if proposal.draft_probs is None else _pad_columns(proposal.draft_probs, width, 0.0)  # [B, width, V]
+        draft_probs = proposal.draft_probs  # [B, k', V] or None
+        if draft_probs is not None:
+            draft_probs = _pad_columns(draft_probs, width, 0.0)  # [B, width, V]
         lengths = lengths.clone()
         for b in lookup:
             tokens = torch.tensor(found[b], dtype=torch.long, device=device)  # [n]

@@ -152,9 +152,10 @@ class CostModelGamma(GammaPolicy):
                 self._idle_steps = 0
                 return 1
             return 0
-        # Probe the next size up once if it has never been measured: extrapolation may undersell it.
-        if choice < max_gamma and (choice + 2) not in self.target_cost and choice + 1 <= max_gamma:
-            return choice + 1
+        # Probe unmeasured neighbours once each (up first): interpolation / flat extrapolation may misjudge them.
+        for g in (choice + 1, choice - 1):
+            if 0 <= g <= max_gamma and (g + 1) not in self.target_cost:
+                return g
         return choice
 
     def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:

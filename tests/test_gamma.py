@@ -1,0 +1,293 @@
+"""Draft-length policies (verispec/gamma.py): the cost model's closed forms, the heuristic schedule, the online
+estimators converging in a simulated world, and the decoder staying exact whatever length is chosen."""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from tiny_models import pair, prompt, reference_greedy
+
+from verispec import SpeculativeDecoder
+from verispec.gamma import CostModelGamma, FixedGamma, HeuristicGamma, best_gamma, expected_tokens
+
+# --- expected_tokens ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.1, 0.5, 0.8, 0.99])
+@pytest.mark.parametrize("gamma", [0, 1, 2, 5, 10])
+def test_expected_tokens_is_the_geometric_sum(acceptance: float, gamma: int) -> None:
+    # A step emits the kept drafts plus one token: P(at least i drafts kept) = a^i, so the mean is sum_{i<=g} a^i.
+    assert math.isclose(expected_tokens(acceptance, gamma), sum(acceptance**i for i in range(gamma + 1)), rel_tol=1e-12)
+
+
+def test_expected_tokens_edge_cases() -> None:
+    assert expected_tokens(1.0, 4) == 5.0  # every draft kept, plus the bonus
+    assert expected_tokens(0.0, 4) == 1.0  # the target's own token only
+    assert expected_tokens(0.7, 0) == 1.0  # target alone
+
+
+def test_expected_tokens_matches_simulated_blocks() -> None:
+    rng = random.Random(0)
+    acceptance, gamma, trials = 0.7, 4, 200_000
+    total = 0
+    for _ in range(trials):
+        kept = 0
+        while kept < gamma and rng.random() < acceptance:
+            kept += 1
+        total += kept + 1
+    mean = expected_tokens(acceptance, gamma)
+    std = math.sqrt(sum((k + 1 - mean) ** 2 * _block_law(acceptance, gamma)[k] for k in range(gamma + 1)))
+    assert abs(total / trials - mean) < 6 * std / math.sqrt(trials)  # 6 sigma: fails < 1e-8 of the time
+
+
+def _block_law(acceptance: float, gamma: int) -> list[float]:
+    """P(exactly k drafts kept), k = 0..gamma (censored at gamma)."""
+    return [acceptance**k * (1 - acceptance) for k in range(gamma)] + [acceptance**gamma]
+
+
+# --- best_gamma --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("acceptance", [0.3, 0.5, 0.9])
+@pytest.mark.parametrize("max_gamma", [1, 4, 10])
+def test_free_drafts_and_flat_target_cost_draft_as_much_as_allowed(acceptance: float, max_gamma: int) -> None:
+    # rate(g) = expected_tokens(a, g) / t, strictly increasing in g when a > 0.
+    assert best_gamma(acceptance, 0.0, [2.0] * (max_gamma + 1), max_gamma) == max_gamma
+
+
+def test_negligible_gains_count_as_ties() -> None:
+    # a = 0.05: the g-th draft adds a^g tokens, below the 1e-9 relative tie tolerance from g = 7 on.
+    assert best_gamma(0.05, 0.0, [2.0] * 11, 10) == 6
+
+
+def test_useless_drafts_are_not_drafted() -> None:
+    # a = 0: every g emits one token; drafting only adds cost (or ties, which go to the shorter draft).
+    assert best_gamma(0.0, 0.0, [1.0] * 11, 10) == 0
+    assert best_gamma(0.0, 0.1, [1.0] * 11, 10) == 0
+
+
+def test_steep_target_cost_means_target_alone() -> None:
+    # t(g) = 1 + 10 g: rate(g) <= (g + 1) / (1 + 10 g) < 1 = rate(0) for every g >= 1, even at a = 0.9.
+    assert best_gamma(0.9, 0.0, [1.0 + 10 * g for g in range(11)], 10) == 0
+
+
+def test_ties_go_to_the_shorter_draft() -> None:
+    # a = 1 and t(g) = g + 1: rate(g) = (g + 1) / (g + 1) = 1 for every g.
+    assert best_gamma(1.0, 0.0, [g + 1.0 for g in range(11)], 10) == 0
+
+
+def test_interior_optimum_computed_by_hand() -> None:
+    # a = 0.5, draft 0.1 per token, target 1 per pass: rate(g) = 2 (1 - 0.5^(g+1)) / (1 + 0.1 g)
+    #   g=0: 1.0   g=1: 1.5/1.1 = 1.364   g=2: 1.75/1.2 = 1.458   g=3: 1.875/1.3 = 1.442   g=4: 1.9375/1.4 = 1.384
+    assert best_gamma(0.5, 0.1, [1.0] * 11, 10) == 2
+    assert best_gamma(0.5, 0.1, [1.0] * 11, 1) == 1  # capped by max_gamma
+    # Leviathan et al.'s table for c = 0 would say "draft forever"; a target cost rising by 0.1 per token
+    # scored stops it: a = 0.8: rate(g) = (1 - 0.8^(g+1)) / 0.2 / (1 + 0.1 g)
+    #   g=3: 2.952/1.3 = 2.271   g=4: 3.362/1.4 = 2.401   g=5: 3.689/1.5 = 2.460   g=6: 3.951/1.6 = 2.470
+    #   g=7: 4.161/1.7 = 2.448
+    assert best_gamma(0.8, 0.0, [1.0 + 0.1 * g for g in range(11)], 10) == 6
+
+
+# --- HeuristicGamma ----------------------------------------------------------------------------------------------
+
+
+def test_heuristic_schedule_plus_two_minus_one_floor_one() -> None:
+    policy = HeuristicGamma(start=5, max_gamma=16)
+    assert policy.choose(100) == 5
+    policy.observe(5, [5, 5], [5, 5], 0.0, 0.0)  # every row kept its whole block
+    assert policy.choose(100) == 7
+    policy.observe(7, [7, 7], [7, 3], 0.0, 0.0)  # one row rejected something
+    assert policy.choose(100) == 6
+    policy.observe(6, [6, 2], [6, 2], 0.0, 0.0)  # a row with a shorter proposal kept all of it: full block
+    assert policy.choose(100) == 8
+    policy.observe(0, [0], [0], 0.0, 0.0)  # a step without drafts teaches nothing
+    assert policy.choose(100) == 8
+    for _ in range(20):
+        policy.observe(policy.choose(100), [3], [0], 0.0, 0.0)
+    assert policy.choose(100) == 1  # floor
+    for _ in range(20):
+        g = policy.choose(100)
+        policy.observe(g, [g], [g], 0.0, 0.0)
+    assert policy.choose(100) == 16  # cap
+    assert policy.choose(3) == 3  # never past the budget
+    policy.reset()
+    assert policy.choose(100) == 5
+
+
+def test_fixed_gamma_respects_the_budget() -> None:
+    assert FixedGamma(4).choose(10) == 4
+    assert FixedGamma(4).choose(2) == 2
+
+
+# --- CostModelGamma: estimators and the choice in a simulated world ---------------------------------------------
+
+
+@dataclass
+class World:
+    """True parameters: per-draft acceptance, seconds per draft token, seconds to score m tokens."""
+
+    acceptance: float
+    draft_cost: float
+    target_cost: Callable[[int], float]
+
+    def best(self, max_gamma: int = 10) -> int:
+        costs = [self.target_cost(g + 1) for g in range(max_gamma + 1)]
+        return best_gamma(self.acceptance, self.draft_cost, costs, max_gamma)
+
+    def step(self, policy, rng: random.Random, rows: int = 32) -> int:
+        """One decode step: the policy chooses, each row keeps a geometric number of drafts, costs carry 1% noise."""
+        gamma = policy.choose(100)
+        kept = []
+        for _ in range(rows):
+            n = 0
+            while n < gamma and rng.random() < self.acceptance:
+                n += 1
+            kept.append(n)
+        noise = 1.0 + 0.01 * (2.0 * rng.random() - 1.0)
+        draft_time, target_time = gamma * self.draft_cost * noise, self.target_cost(gamma + 1) * noise
+        policy.observe(gamma, [gamma] * rows, kept, draft_time, target_time)
+        return gamma
+
+
+WORLDS = {  # name: world; the best gamma is World.best(), by best_gamma under the true parameters
+    "flat cost, strong draft": World(0.95, 0.0, lambda m: 1.0),
+    "flat cost, weak draft": World(0.3, 0.1, lambda m: 1.0),
+    "drafting never pays": World(0.2, 0.3, lambda m: 1.0 + 0.3 * (m - 1)),
+    "rising cost": World(0.6, 0.1, lambda m: 1.0 + 0.15 * (m - 1)),
+    "quadratic cost": World(0.85, 0.05, lambda m: 1.0 + 0.04 * (m - 1) ** 2),
+    "cheap draft, rising cost": World(0.5, 0.02, lambda m: 1.0 + 0.1 * (m - 1)),
+    "CPU-like: scoring 4 tokens costs 2x": World(0.75, 0.1, lambda m: 1.0 + 0.3 * (m - 1)),
+}
+
+
+def test_simulated_worlds_have_clear_optima() -> None:
+    """The worlds below are only meaningful if the best gamma beats the runner-up by > 2% (estimation noise)."""
+    for param in WORLDS.values():
+        world = param.values[0] if hasattr(param, "values") else param
+        rates = sorted(
+            (
+                expected_tokens(world.acceptance, g) / (g * world.draft_cost + world.target_cost(g + 1))
+                for g in range(11)
+            ),
+            reverse=True,
+        )
+        assert rates[0] > 1.02 * rates[1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("world", list(WORLDS.values()), ids=list(WORLDS))
+def test_cost_model_converges_to_the_best_gamma(world: World, seed: int) -> None:
+    rng = random.Random(seed)
+    policy = CostModelGamma(max_gamma=10)
+    choices = [world.step(policy, rng) for _ in range(600)]
+    best = world.best()
+    assert abs(policy.acceptance - world.acceptance) < 0.02
+    assert math.isclose(policy.draft_cost.value or 0.0, world.draft_cost, rel_tol=0.05, abs_tol=1e-12)
+    # Settled: the most frequent recent choice is the true optimum (a "don't draft" policy still probes 1 now
+    # and then to re-measure, hence the mode rather than every choice).
+    assert collections.Counter(choices[-100:]).most_common(1)[0][0] == best, (best, choices[-30:])
+    # It measured the size it settled on and probed past it (unless capped).
+    assert best + 1 in policy.target_cost
+    assert best == 10 or best + 2 in policy.target_cost
+    assert len(set(choices)) > 1
+
+
+def test_cost_model_first_measures_then_probes_the_next_size_up() -> None:
+    policy = CostModelGamma(max_gamma=10)
+    assert policy.choose(100) == 5  # nothing measured: draft half the maximum
+    assert policy.choose(3) == 3  # ...within the budget
+    policy.observe(5, [5], [2], draft_time_s=0.25, target_time_s=1.0)  # 0.05 s per draft token, a ~ 0.69
+    assert set(policy.target_cost) == {6}
+    model_choice = best_gamma(policy.acceptance, 0.05, [1.0] * 11, 10)  # only size 6 known: flat costs
+    assert model_choice == 5
+    probe = policy.choose(100)
+    assert probe == 6 and probe + 1 not in policy.target_cost  # the next size up, never measured
+    policy.observe(probe, [0], [0], 0.0, 1.0)  # measured (same cost); the acceptance estimate is unchanged
+    # Measured now: no second probe of it. The policy returns its model's choice or an unmeasured neighbour.
+    again = policy.choose(100)
+    assert again == model_choice or (abs(again - model_choice) == 1 and again + 1 not in policy.target_cost)
+
+
+def test_cost_model_that_says_dont_draft_still_probes_now_and_then() -> None:
+    policy = CostModelGamma(max_gamma=10, probe_every=8)
+    policy.observe(1, [1], [0], draft_time_s=5.0, target_time_s=1.0)  # a draft token costs 5 target passes
+    policy.observe(0, [0], [0], draft_time_s=0.0, target_time_s=1.0)
+    choices = [policy.choose(100) for _ in range(24)]
+    assert choices == ([0] * 7 + [1]) * 3
+    assert policy.choose(0) == 0  # no budget for drafts: no probe either
+
+
+def test_cost_model_reset_forgets_acceptance_but_keeps_costs() -> None:
+    policy = CostModelGamma()
+    policy.observe(4, [4, 4], [0, 1], draft_time_s=0.4, target_time_s=2.0)
+    assert policy.acceptance < policy.prior_acceptance
+    policy.reset()
+    assert policy.acceptance == policy.prior_acceptance
+    assert policy.target_cost[5].value == 2.0 and policy.draft_cost.value == 0.1
+
+
+@pytest.mark.parametrize("acceptance", [0.2, 0.6, 0.9])
+def test_acceptance_estimate_is_the_censored_geometric_mle(acceptance: float) -> None:
+    rng = random.Random(7)
+    policy = CostModelGamma()
+    kept_total = proposed_total = 0
+    for step in range(3000):
+        lengths = [1 + (step + row) % 6 for row in range(4)] + [0]  # blocks of 1..6 drafts; one row proposes none
+        kept = []
+        for length in lengths:
+            n = 0
+            while n < length and rng.random() < acceptance:
+                n += 1
+            kept.append(n)
+        kept_total += sum(kept)
+        proposed_total += sum(lengths)
+        policy.observe(6, lengths, kept, 0.0, 1.0)
+    assert abs(policy.acceptance - acceptance) < 0.015
+    # Why censoring matters: kept / proposed underestimates a (drafts after a rejection are never judged).
+    assert kept_total / proposed_total < acceptance - 0.04
+
+
+def test_acceptance_starts_at_the_prior_and_rows_without_drafts_teach_nothing() -> None:
+    policy = CostModelGamma(prior_acceptance=0.7)
+    assert policy.acceptance == 0.7
+    policy.observe(3, [0, 0], [0, 0], 0.0, 1.0)
+    assert policy.acceptance == 0.7
+
+
+# --- The decoder: any policy, same greedy output -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_draft_tokens", ["auto", "heuristic", 3])
+def test_decoder_output_does_not_depend_on_the_policy(num_draft_tokens) -> None:
+    target, partial, _ = pair("llama")
+    prompts = [prompt(6, 7), prompt(3, 8)]
+    max_new = 40
+    decoder = SpeculativeDecoder(target, partial, num_draft_tokens=num_draft_tokens)
+    out = decoder.generate(prompts, max_new_tokens=max_new)
+    assert out.tokens == [reference_greedy(target, p, max_new) for p in prompts]
+    assert out.stats.num_draft_tokens == str(num_draft_tokens)
+    history = out.stats.gamma_history
+    assert out.stats.draft_tokens > 0
+    if num_draft_tokens == 3:
+        cut = next((i for i, g in enumerate(history) if g < 3), len(history))
+        assert cut > 0 and all(g < 3 for g in history[cut:])  # 3, until the budget cuts the last steps
+    else:
+        assert len(set(history)) > 1, history  # the length adapts
+    assert all(g <= max_new - 1 for g in history)
+
+
+def test_decoder_accepts_a_policy_instance_and_per_call_override() -> None:
+    target, partial, _ = pair("gpt2")
+    policy = HeuristicGamma(start=2, max_gamma=6)
+    decoder = SpeculativeDecoder(target, partial, num_draft_tokens=policy)
+    out = decoder.generate([prompt(5, 1)], max_new_tokens=25)
+    assert out.tokens[0] == reference_greedy(target, prompt(5, 1), 25)
+    assert out.stats.gamma_history[0] == 2 and max(out.stats.gamma_history) <= 6
+    fixed = decoder.generate([prompt(5, 1)], max_new_tokens=25, num_draft_tokens=1)
+    assert fixed.tokens == out.tokens
+    assert 1 in fixed.stats.gamma_history and set(fixed.stats.gamma_history) <= {0, 1}  # 0: budget of 1 left

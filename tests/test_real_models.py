@@ -1,0 +1,48 @@
+"""Real models from PyPI (slow: run with `pytest -m slow`). Greedy output must equal transformers' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec import SpeculativeDecoder, zoo
+from verispec.drafters import NGramDrafter
+from verispec.fast import prepack_linears, quantize_draft
+
+pytestmark = pytest.mark.slow
+
+CODE_PROMPT = "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+
+def hf_greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+def test_smollm2_ngram_and_int8_self_draft_equal_transformers() -> None:
+    model, tokenizer = zoo.load("smollm2-135m")
+    ids = tokenizer(CODE_PROMPT * 2)["input_ids"]
+    reference = hf_greedy(model, ids, 40, tokenizer.eos_token_id)
+    decoder = SpeculativeDecoder(model, drafter=NGramDrafter(), num_draft_tokens=4)
+    out = decoder.generate([ids], max_new_tokens=40, eos_token_id=tokenizer.eos_token_id)
+    assert out.tokens[0] == reference
+    assert out.stats.accepted_tokens > 0
+    out = decoder.generate([ids], max_new_tokens=40, eos_token_id=tokenizer.eos_token_id, draft=quantize_draft(model))
+    assert out.tokens[0] == reference
+    assert out.stats.acceptance_rate > 0.5
+
+
+def test_qwen_pair_greedy_and_packed_target_equal_transformers() -> None:
+    target, tokenizer = zoo.load("qwen2.5-coder-1.5b")
+    draft, draft_tokenizer = zoo.load("qwen2.5-coder-0.5b")
+    assert tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+    ids = tokenizer(CODE_PROMPT)["input_ids"]
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    reference = hf_greedy(target, ids, 24, eos)
+    prepack_linears(target)
+    decoder = SpeculativeDecoder(target, quantize_draft(draft), num_draft_tokens="auto", vocab_size=len(tokenizer))
+    out = decoder.generate([ids], max_new_tokens=24, eos_token_id=eos)
+    assert out.tokens[0] == reference
+    assert out.stats.acceptance_rate > 0.6
