@@ -103,8 +103,8 @@ def test_batch_rows_equal_their_solo_runs(kind: str, batch_size: int) -> None:
     out = SpeculativeDecoder(target, partial, num_draft_tokens=3).generate(prompts, max_new_tokens=LONGEST)
     assert out.tokens == references
     if batch_size > 1:
-        # Rows accepted different counts, so per-row rollback was exercised (PITFALLS #6).
-        assert len(set(out.stats.row_accepted_tokens)) > 1, out.stats.row_accepted_tokens
+        # Rows accepted different counts in one step, so per-row rollback was exercised (PITFALLS #6).
+        assert out.stats.mixed_steps > 0
         assert out.stats.steps < sum(out.stats.row_target_passes)  # rows shared target passes
 
 

@@ -57,11 +57,12 @@ class CachedLM:
     compact_ratio = 1.5
     compact_slack = 8  # ...plus this many, so short caches are not gathered every step
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, check: bool = True) -> None:
         self.model = model
         self.device = model_device(model)
         self.cache = DynamicCache(config=model.config)
-        self._check_rollback_supported()
+        if check:
+            self._check_rollback_supported()
         self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S]
 
     def _check_rollback_supported(self) -> None:
@@ -133,6 +134,33 @@ class CachedLM:
         self.slot_mask = self.slot_mask[rows]
         self._maybe_compact()
 
+    @torch.inference_mode()
+    def append_rows(self, other: CachedLM) -> None:
+        """Append ``other``'s rows (same model, e.g. freshly prefilled requests) to this batch. The shorter
+        of the two caches is left-padded with masked slots, so no row's positions or attention change."""
+        if other.batch_size == 0:
+            return
+        if self.batch_size == 0:
+            self.cache, self.slot_mask = other.cache, other.slot_mask
+            return
+        width = max(self.num_slots, other.num_slots)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            template = _states(mine) or _states(theirs)
+            if template is None:  # neither side has cached anything in this layer yet
+                continue
+            keys = _left_pad_slots(_states(mine), self.batch_size, self.num_slots, width, template[0])
+            their_keys = _left_pad_slots(_states(theirs), other.batch_size, other.num_slots, width, template[0])
+            values = _left_pad_slots(_states(mine), self.batch_size, self.num_slots, width, template[1], 1)
+            their_values = _left_pad_slots(_states(theirs), other.batch_size, other.num_slots, width, template[1], 1)
+            if not mine.is_initialized:
+                mine.lazy_initialization(template[0], template[1])
+            mine.keys = torch.cat([keys, their_keys], dim=0)
+            mine.values = torch.cat([values, their_values], dim=0)
+        pad = lambda mask: torch.cat(  # noqa: E731
+            [torch.zeros(mask.shape[0], width - mask.shape[1], dtype=torch.bool, device=self.device), mask], dim=1
+        )
+        self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask.to(self.device))], dim=0)
+
     def _maybe_compact(self) -> None:
         if self.num_slots == 0 or self.batch_size == 0:
             return
@@ -161,3 +189,22 @@ def _gather_slots(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """states [B, H, S, D], order [B, L] -> [B, H, L, D]"""
     index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1])
     return states.gather(2, index)
+
+
+def _states(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(keys, values) of a cache layer, or None if it holds nothing yet."""
+    if not getattr(layer, "is_initialized", False) or layer.keys is None or layer.keys.numel() == 0:
+        return None
+    return layer.keys, layer.values
+
+
+def _left_pad_slots(states, batch_size: int, num_slots: int, width: int, template: torch.Tensor,
+                    which: int = 0) -> torch.Tensor:
+    """[B, H, num_slots, D] states (or none yet) left-padded with zeros to ``width`` slots."""
+    shape = (batch_size, template.shape[1], width, template.shape[-1])
+    if states is None:
+        return template.new_zeros(shape)
+    tensor = states[which]
+    if tensor.shape[2] == width:
+        return tensor
+    return torch.cat([tensor.new_zeros((*shape[:2], width - tensor.shape[2], shape[-1])), tensor], dim=2)

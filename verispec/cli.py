@@ -1,4 +1,5 @@
-"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command)."""
+"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command), ``serve``
+(an OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
@@ -196,6 +197,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve the OpenAI API (completions, chat, streaming, metrics) with continuous batching."""
+    try:
+        from .server import serve
+    except ImportError as error:
+        raise CliError(f"serving needs fastapi and uvicorn (pip install 'verispec[server]'): {error}") from error
+    return serve(args, _log)
+
+
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
     parser.add_argument("--draft", default=draft_default, help="zoo name, folder, .gguf path, 'ngram' or 'none'")
@@ -232,6 +242,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(max_new_tokens=64)
     demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
     demo.set_defaults(func=cmd_demo)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    _add_model_args(srv, draft_default="qwen2.5-coder-0.5b")
+    srv.set_defaults(max_new_tokens=None)  # per request: max_tokens, else OpenAI's defaults
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch-size", type=int, default=32, metavar="B", help="rows decoded together (32)")
+    srv.add_argument("--model-name", default=None, help="the model id clients send (default: --target as given)")
+    srv.add_argument("--max-context", type=int, default=None, metavar="N",
+                     help="prompt + generated tokens per request (default: the model's maximum length)")
+    srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -9,7 +9,7 @@ the output exact: the target decides.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .adapters import CachedLM
-from .sampling import SamplingParams, probs_from_logits, sample_from_probs
+from .sampling import SamplingParams, row_probs, sample_from_probs
 
 
 @dataclass
@@ -40,13 +40,19 @@ class Drafter(ABC):
     calls: int = 0
 
     @abstractmethod
-    def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
-        """Begin a batch: one row per prompt; ``vocab_size`` is the number of real token ids."""
+    def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+              vocab_size: int) -> None:
+        """Begin a batch: one row per prompt, each sampled with its own params (or one for all);
+        ``vocab_size`` is the number of real token ids."""
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        """Append rows to the running batch (continuous batching)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot add rows to a running batch")
 
     @abstractmethod
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
         """Propose ``num_draft_tokens`` (>= 1) tokens per row; ``uniforms`` is ``[B, k]`` float64 in [0, 1)
-        for stochastic drafting (None when sampling is greedy)."""
+        for stochastic drafting (None when every row is greedy; zeros on greedy rows)."""
 
     @abstractmethod
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
@@ -56,6 +62,16 @@ class Drafter(ABC):
     @abstractmethod
     def select_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices into the current batch)."""
+
+
+def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per row (a single one is shared by all rows)."""
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * batch_size
+    sampling = list(sampling)
+    if len(sampling) != batch_size:
+        raise ValueError(f"{len(sampling)} sampling params for {batch_size} rows")
+    return sampling
 
 
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +106,32 @@ class ModelDrafter(Drafter):
         self.model = model
         self.calls = 0
 
-    def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
-        self.sampling = sampling
-        self.needs_uniforms = not sampling.greedy
+    def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+              vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self.lm.reset(len(prompts))
-        self.pending = [p[-1:] for p in prompts]
-        self.cached = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)  # [B] tokens in cache
-        ids, mask = left_pad([p[:-1] for p in prompts])
-        if ids.shape[1] > 0:
-            self.lm.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
-            self.calls += 1
+        self.lm.reset(0)
+        self.params: list[SamplingParams] = []
+        self.pending: list[list[int]] = []
+        self.cached = torch.zeros(0, dtype=torch.long)  # [B] tokens in cache per row
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
+        self.add_rows(prompts, per_row(sampling, len(prompts)))
+
+    @property
+    def needs_uniforms(self) -> bool:  # type: ignore[override]
+        return not all(p.greedy for p in self.params)
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        """Prefill the new rows (all prompt tokens but the last, which stays pending) and append them."""
+        self.params += list(sampling)
+        self.pending += [p[-1:] for p in prompts]
+        self.cached = torch.cat([self.cached, torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)])
+        ids, mask = left_pad([p[:-1] for p in prompts])
+        new = CachedLM(self.model, check=False)
+        new.reset(len(prompts))
+        if ids.shape[1] > 0:
+            new.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
+            self.calls += 1
+        self.lm.append_rows(new)
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
         k = num_draft_tokens
@@ -123,10 +153,10 @@ class ModelDrafter(Drafter):
             finite = torch.isfinite(logits).all(dim=-1)  # [B]
             nonfinite |= ~finite
             logits = torch.where(finite[:, None], logits, 0.0)  # keep sampling in range; the row is reported
-            if self.sampling.greedy:
+            if not self.needs_uniforms:  # every row greedy
                 draft_ids.append(logits.argmax(dim=-1))
-            else:
-                probs = probs_from_logits(logits, self.sampling)  # [B, V]
+            else:  # greedy rows get one-hot distributions (zeros as uniforms pick their argmax)
+                probs = row_probs(logits, self.params)  # [B, V]
                 draft_probs.append(probs)
                 draft_ids.append(sample_from_probs(probs, uniforms[:, j]))
         self._fed_drafts = k - 1  # the last draft token is not fed until the next proposal
@@ -149,6 +179,7 @@ class ModelDrafter(Drafter):
 
     def select_rows(self, rows: list[int]) -> None:
         self.lm.select_rows(rows)
+        self.params = [self.params[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]
         self.cached = self.cached[torch.tensor(rows, dtype=torch.long)]
 
@@ -192,6 +223,9 @@ class NGramDrafter(Drafter):
                 if history[start : start + n] == suffix:
                     return history[start + n : start + n + k]
         return []
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        self.histories += [list(p) for p in prompts]
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
         return lookup_proposal([self.lookup(h, num_draft_tokens) for h in self.histories])
@@ -281,6 +315,10 @@ class EarlyExitDrafter(ModelDrafter):
         with truncated_layers(self.model, self.num_layers, self._where):
             super().start(prompts, sampling, vocab_size)  # resets the cache: num_layers layers
 
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        with truncated_layers(self.model, self.num_layers, self._where):
+            super().add_rows(prompts, sampling)
+
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
         with truncated_layers(self.model, self.num_layers, self._where):
             return super().propose(num_draft_tokens, uniforms)
@@ -366,6 +404,10 @@ class CompositeDrafter(Drafter):
             nonfinite[torch.tensor(lookup, device=nonfinite.device)] = False  # their model drafts were not used
         return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device),
                         nonfinite_rows=nonfinite)
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        self.primary.add_rows(prompts, sampling)
+        self.fallback.add_rows(prompts, sampling)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         self.primary.update(num_accepted, new_tokens)

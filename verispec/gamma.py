@@ -14,6 +14,7 @@ Policies only choose lengths; exactness never depends on them.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -29,9 +30,15 @@ class GammaPolicy:
     def choose(self, max_gamma: int) -> int:
         raise NotImplementedError
 
+    def for_row(self) -> GammaPolicy:
+        """The policy one row of a batch uses: rows adapt on their own acceptance (so a row's draft lengths
+        do not depend on the other rows), sharing machine-level cost measurements."""
+        return self
+
     def observe(self, gamma: int, draft_lengths: list[int], num_accepted: list[int],
-                draft_time_s: float, target_time_s: float) -> None:
-        """Learn from a step that drafted ``gamma`` tokens (0 = target alone)."""
+                draft_time_s: float | None, target_time_s: float | None) -> None:
+        """Learn from a step that drafted ``gamma`` tokens (0 = target alone); times are None when the
+        observation is about acceptance only (one row of a batch)."""
 
 
 class FixedGamma(GammaPolicy):
@@ -54,6 +61,9 @@ class HeuristicGamma(GammaPolicy):
 
     def reset(self) -> None:
         self.gamma = self.start
+
+    def for_row(self) -> HeuristicGamma:
+        return HeuristicGamma(self.start, self.max_gamma)
 
     def choose(self, max_gamma: int) -> int:
         return min(self.gamma, max_gamma)
@@ -158,10 +168,16 @@ class CostModelGamma(GammaPolicy):
                 return g
         return choice
 
+    def for_row(self) -> CostModelGamma:
+        row = copy.copy(self)  # shares the cost tables (machine-level), not the acceptance counts
+        row.reset()
+        row._idle_steps = 0
+        return row
+
     def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
-        self.target_cost.setdefault(gamma + 1, _Ema()).add(target_time_s)
-        proposed = sum(draft_lengths)
-        if proposed and gamma:
+        if target_time_s is not None:
+            self.target_cost.setdefault(gamma + 1, _Ema()).add(target_time_s)
+        if draft_time_s is not None and gamma and sum(draft_lengths):
             self.draft_cost.add(draft_time_s / gamma)
         for n, length in zip(num_accepted, draft_lengths):
             self.accepted += n

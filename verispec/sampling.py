@@ -80,3 +80,21 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     # u * total can round up to total; fall back to the last token with mass.
     last_nonzero = (probs.shape[-1] - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)  # [N]
     return torch.minimum(token_ids, last_nonzero)
+
+
+def row_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Per-row distributions for a batch whose rows sample differently: ``logits [B, ..., V]`` -> float32
+    ``[B, ..., V]``. A greedy row gets a one-hot on its argmax, which is what greedy decoding draws from:
+    verification of one-hot target and draft distributions is exactly greedy verification."""
+    probs = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault(p, []).append(row)
+    for p, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        if p.greedy:
+            argmax = logits[index].argmax(dim=-1, keepdim=True)
+            probs[index] = torch.zeros_like(probs[index]).scatter_(-1, argmax, 1.0)
+        else:
+            probs[index] = probs_from_logits(logits[index], p)
+    return probs

@@ -15,6 +15,7 @@ class GenerationStats:
     num_draft_tokens: int | str = 0  # the gamma setting ("auto" or a fixed number)
     steps: int = 0
     row_steps: int = 0
+    mixed_steps: int = 0  # steps where rows of the batch kept different numbers of drafts
     target_calls: int = 0  # target forward passes, prefill included
     draft_calls: int = 0  # draft forward passes, prefill included
     draft_tokens: int = 0  # draft tokens proposed (summed over rows)
@@ -42,14 +43,16 @@ class GenerationStats:
         """Count one verification step; ``rows`` are the prompt indices of the active batch rows."""
         self.steps += 1
         self.row_steps += len(num_accepted)
+        self.mixed_steps += len(set(num_accepted)) > 1
         self.gamma_history.append(gamma)
         _grow(self.accepted_length_histogram, gamma + 1)
         _grow(self.position_proposed, gamma)
         _grow(self.position_accepted, gamma)
         for row, length, accepted in zip(rows, draft_lengths, num_accepted):
-            self.row_draft_tokens[row] += length
-            self.row_accepted_tokens[row] += accepted
-            self.row_target_passes[row] += 1
+            if row < len(self.row_target_passes):  # per-row lists exist for generate(), not for the engine
+                self.row_draft_tokens[row] += length
+                self.row_accepted_tokens[row] += accepted
+                self.row_target_passes[row] += 1
             self.draft_tokens += length
             self.accepted_tokens += accepted
             self.accepted_length_histogram[accepted] += 1

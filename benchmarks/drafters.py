@@ -1,0 +1,171 @@
+"""Drafter and draft-length benchmark (issue 4): which draft, which gamma policy, on which workload.
+
+    python benchmarks/drafters.py [--max-new-tokens 48] [--out benchmarks]
+
+Real pair (Qwen2.5-Coder 1.5B fp32 target, pre-packed): target alone, 0.5B int8 draft, n-gram prompt lookup,
+composite (lookup, else the 0.5B int8 draft), early exit (first layers of the target), int8 copy of the
+target; all with num_draft_tokens="auto". Then, per workload, the draft-length sweep with the 0.5B int8
+draft: fixed 1..8, transformers' heuristic, auto. Real single model (SmolLM2-135M): target alone, n-gram,
+early exit, int8 self-draft. Greedy throughout. Writes drafters.json and DRAFTERS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import encode, log  # noqa: E402
+
+from verispec import CompositeDrafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, SpeculativeDecoder, zoo  # noqa: E402
+from verispec.fast import prepack_linears, quantize_draft  # noqa: E402
+
+
+def measure(decoder, prompts, n, eos, **kwargs) -> dict:
+    tokens = seconds = accepted = proposed = 0
+    outputs = []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        out = decoder.generate([ids], max_new_tokens=n, eos_token_id=eos, **kwargs)
+        seconds += time.perf_counter() - t0
+        tokens += len(out.tokens[0])
+        accepted += out.stats.accepted_tokens
+        proposed += out.stats.draft_tokens
+        outputs.append(out.tokens[0])
+    return {"tokens_per_s": tokens / seconds, "acceptance": accepted / proposed if proposed else 0.0,
+            "outputs": outputs}
+
+
+def by_kind(prompts, encoded, per_kind: int) -> dict[str, list[list[int]]]:
+    groups: dict[str, list[list[int]]] = {}
+    for ids, p in zip(encoded, prompts):
+        if len(groups.setdefault(p["kind"], [])) < per_kind:
+            groups[p["kind"]].append(ids)
+    return groups
+
+
+def compare(decoder, drafters: dict, groups, n, eos) -> dict:
+    results = {}
+    for kind, prompts in groups.items():
+        alone = measure(decoder, prompts, n, eos, draft=None)
+        results[kind] = {"alone": {"tokens_per_s": alone["tokens_per_s"], "speedup": 1.0, "acceptance": 0.0}}
+        for name, drafter in drafters.items():
+            m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens="auto")
+            assert m["outputs"] == alone["outputs"], f"{name} changed the greedy output on {kind}"
+            results[kind][name] = {"tokens_per_s": m["tokens_per_s"], "acceptance": m["acceptance"],
+                                   "speedup": m["tokens_per_s"] / alone["tokens_per_s"]}
+            log(f"{kind} {name}: {m['tokens_per_s']:.2f} tok/s, x{results[kind][name]['speedup']:.2f}")
+    return results
+
+
+def sweep(decoder, drafter, groups, n, eos) -> dict:
+    results = {}
+    for kind, prompts in groups.items():
+        rows = {}
+        for policy in [1, 2, 3, 4, 5, 6, 7, 8, "heuristic", "auto"]:
+            m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens=policy)
+            rows[str(policy)] = {"tokens_per_s": m["tokens_per_s"], "acceptance": m["acceptance"]}
+        fixed = {k: v for k, v in rows.items() if k.isdigit()}
+        best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
+        rows["best_fixed"] = best
+        rows["auto_over_best_fixed"] = rows["auto"]["tokens_per_s"] / fixed[best]["tokens_per_s"]
+        rows["heuristic_over_best_fixed"] = rows["heuristic"]["tokens_per_s"] / fixed[best]["tokens_per_s"]
+        log(f"sweep {kind}: best fixed {best}, auto/best {rows['auto_over_best_fixed']:.3f}")
+        results[kind] = rows
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--per-kind", type=int, default=2, help="prompts per workload")
+    parser.add_argument("--early-exit-layers", type=int, default=14)
+    parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).parent))
+    args = parser.parse_args(argv)
+    n = args.max_new_tokens
+    prompts = json.loads(Path(__file__).with_name("prompts.json").read_text())
+    report: dict = {"command": "python benchmarks/drafters.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"}
+
+    target, tokenizer = zoo.load("qwen2.5-coder-1.5b", progress=log)
+    draft, _ = zoo.load("qwen2.5-coder-0.5b", progress=log)
+    eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    int8_target = quantize_draft(target)  # before packing: quantisation needs plain nn.Linear layers
+    prepack_linears(target)
+    int8_draft = quantize_draft(draft)
+    del draft
+    decoder = SpeculativeDecoder(target, int8_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
+    groups = by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind)
+    decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
+    drafters = {
+        "draft_0.5b_int8": ModelDrafter(int8_draft),
+        "ngram": NGramDrafter(),
+        "composite_ngram_0.5b": CompositeDrafter(NGramDrafter(), ModelDrafter(int8_draft)),
+        f"early_exit_{args.early_exit_layers}": EarlyExitDrafter(target, args.early_exit_layers),
+        "target_int8": ModelDrafter(int8_target),
+    }
+    report["qwen_drafters"] = compare(decoder, drafters, groups, n, eos)
+    if not args.skip_sweep:
+        report["qwen_gamma_sweep"] = sweep(decoder, drafters["draft_0.5b_int8"], groups, n, eos)
+    del decoder, drafters, target, int8_target, int8_draft
+
+    small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
+    small_int8 = quantize_draft(small)
+    prepack_linears(small)
+    small_decoder = SpeculativeDecoder(small, drafter=NGramDrafter(), num_draft_tokens="auto")
+    small_groups = by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind)
+    small_eos = [small_tokenizer.eos_token_id]
+    small_decoder.generate([small_groups["completion"][0]], max_new_tokens=8)
+    report["smollm2_drafters"] = compare(small_decoder, {
+        "ngram": NGramDrafter(), "early_exit_15": EarlyExitDrafter(small, 15), "self_int8": ModelDrafter(small_int8),
+    }, small_groups, n, small_eos)
+    if not args.skip_sweep:
+        report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos)
+
+    out = Path(args.out)
+    (out / "drafters.json").write_text(json.dumps(report, indent=2))
+    (out / "DRAFTERS.md").write_text(markdown(report))
+    print((out / "DRAFTERS.md").read_text())
+    return 0
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Drafters and draft lengths", "", f"Machine: {report['machine']}  ", f"Command: `{report['command']}`",
+             "", "Greedy, num_draft_tokens=\"auto\"; tokens/s (speed-up vs the target alone, acceptance). Every "
+             "drafter's output was checked equal to the target alone's.", ""]
+    for key, title in (("qwen_drafters", "Qwen2.5-Coder 1.5B target (fp32, pre-packed)"),
+                       ("smollm2_drafters", "SmolLM2-135M target (fp32, pre-packed)")):
+        table = report.get(key)
+        if not table:
+            continue
+        names = list(next(iter(table.values())))
+        lines += [f"## {title}", "", "| workload | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for kind, row in table.items():
+            lines.append(f"| {kind} | " + " | ".join(
+                f"{row[name]['tokens_per_s']:.2f} (x{row[name]['speedup']:.2f}, a={row[name]['acceptance']:.2f})"
+                for name in names) + " |")
+        lines.append("")
+    for key, title in (("qwen_gamma_sweep", "Draft length, Qwen pair with the 0.5B int8 draft"),
+                       ("smollm2_gamma_sweep", "Draft length, SmolLM2 with n-gram lookup")):
+        table = report.get(key)
+        if not table:
+            continue
+        policies = ["1", "2", "3", "4", "5", "6", "7", "8", "heuristic", "auto"]
+        lines += [f"## {title} (tokens/s)", "", "| workload | " + " | ".join(policies) +
+                  " | best fixed | auto / best fixed | heuristic / best fixed |", "|---" * (len(policies) + 4) + "|"]
+        for kind, row in table.items():
+            lines.append(f"| {kind} | " + " | ".join(f"{row[p]['tokens_per_s']:.2f}" for p in policies) +
+                         f" | {row['best_fixed']} | {row['auto_over_best_fixed']:.3f} | {row['heuristic_over_best_fixed']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

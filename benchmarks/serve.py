@@ -1,0 +1,221 @@
+"""Serving benchmark: ``verispec serve`` under 1, 4 and 16 concurrent clients, speculative vs the target alone.
+
+    python benchmarks/serve.py [--concurrency 1,4,16] [--requests-per-client 3] [--max-tokens 48] [--out benchmarks]
+
+One process loads the real pair once (target pre-packed, draft int8, as ``verispec serve`` does) and serves the
+same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
+(the same engine, no drafter, sharing the target's weights). Each client sends streamed greedy completions of
+the prompts in ``prompts.json`` one after another; per request it records the time to the first text, the time
+per output token after it and the whole latency; per level, throughput (completion tokens per second of wall
+time). Levels are interleaved (speculative, alone, speculative, ...) so machine noise hits both alike.
+Greedy outputs must be identical between the two modes, whatever the batch: the script checks and reports it.
+Writes ``serve.json`` and ``SERVE.md``. Compare ratios, not absolute times: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from verispec import SpeculativeDecoder  # noqa: E402
+from verispec.cli import build_decoder, eos_ids  # noqa: E402
+from verispec.engine import Engine  # noqa: E402
+from verispec.server import create_app  # noqa: E402
+
+MODEL = "bench"
+
+
+def log(message: str) -> None:
+    print(f"[serve-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+class LiveServer:
+    """uvicorn serving ``app`` from a background thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    first = None
+    text, usage, telemetry = "", None, None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk["choices"]:
+                if choice["text"] and first is None:
+                    first = time.perf_counter()
+                text += choice["text"]
+            if chunk.get("usage"):
+                usage, telemetry = chunk["usage"], chunk.get("verispec")
+    end = time.perf_counter()
+    tokens = usage["completion_tokens"]
+    first = first if first is not None else end
+    return {
+        "prompt": prompt, "text": text, "completion_tokens": tokens, "latency_s": end - start,
+        "ttft_s": first - start, "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
+        "acceptance_rate": (telemetry or {}).get("acceptance_rate"),
+        "tokens_per_target_pass": (telemetry or {}).get("tokens_per_target_pass"),
+    }
+
+
+async def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
+    async def client_loop(i: int) -> list[dict]:
+        async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+            return [await one_request(client, prompts[(i + j) % len(prompts)], max_tokens) for j in range(per_client)]
+
+    start = time.perf_counter()
+    results = [r for rs in await asyncio.gather(*[client_loop(i) for i in range(clients)]) for r in rs]
+    wall = time.perf_counter() - start
+    tokens = sum(r["completion_tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "wall_s": wall, "completion_tokens": tokens,
+            "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
+            "latency_s": percentiles([r["latency_s"] for r in results]),
+            "ttft_s": percentiles([r["ttft_s"] for r in results]),
+            "tpot_s": percentiles([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
+            "acceptance_rate": mean([r["acceptance_rate"] for r in results]),
+            "tokens_per_target_pass": mean([r["tokens_per_target_pass"] for r in results]),
+            "outputs": {r["prompt"]: r["text"] for r in results}}
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    values = sorted(values)
+
+    def at(q: float) -> float:
+        return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": statistics.fmean(values)}
+
+
+def mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: list[str], clients: int) -> dict:
+    engine = Engine(decoder, max_batch_size=args.max_batch_size)
+    engine.start()
+    server = LiveServer(create_app(engine, tokenizer, MODEL, max_context, eos_token_ids=eos))
+    try:
+        asyncio.run(run_level(server.url, prompts[:1], 1, 1, 4))  # warm-up
+        return asyncio.run(run_level(server.url, prompts, clients, args.requests_per_client, args.max_tokens))
+    finally:
+        server.close()
+        engine.shutdown()
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "# Serving benchmark (`benchmarks/serve.py`)", "",
+        f"Target `{results['target']}`, draft `{results['draft']}`, greedy, {results['max_tokens']} tokens per "
+        f"request, streamed; {results['requests_per_client']} requests per client; machine: {results['machine']}.",
+        f"Command: `{results['command']}`", "",
+        "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
+        "| acceptance | tokens per pass |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for level in results["levels"]:
+        alone = level["target_alone"]["throughput_tok_s"]
+        for mode in ("speculative", "target_alone"):
+            r = level[mode]
+            lat, ttft, tpot = r["latency_s"], r["ttft_s"], r["tpot_s"]
+            lines.append(
+                f"| {mode} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
+                f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
+                f"{tpot.get('p50', 0):.3f} / {tpot.get('p90', 0):.3f} | "
+                f"{(r['acceptance_rate'] or 0):.2f} | {(r['tokens_per_target_pass'] or 0):.2f} |")
+    lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--num-draft-tokens", default="auto")
+    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    parser.add_argument("--requests-per-client", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default=str(Path(__file__).parent))
+    args = parser.parse_args(argv)
+
+    prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text()) if not p.get("chat")][: args.limit]
+    model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
+                                    dtype="float32", device=args.device, fast=True)
+    speculative, tokenizer = build_decoder(model_args, log)
+    alone = SpeculativeDecoder(speculative.target_model, None, vocab_size=speculative.vocab_size)  # shared weights
+    eos = eos_ids(tokenizer, speculative.target_model)
+    max_context = speculative.max_positions or 4096
+    results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
+               "requests_per_client": args.requests_per_client, "command": " ".join(sys.argv),
+               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+               "levels": []}
+    identical = True
+    for clients in [int(c) for c in args.concurrency.split(",")]:
+        level = {}
+        for mode, decoder in (("speculative", speculative), ("target_alone", alone)):
+            log(f"{mode}, {clients} clients")
+            level[mode] = serve_and_measure(decoder, tokenizer, eos, max_context, args, prompts, clients)
+            log(f"  {level[mode]['throughput_tok_s']:.2f} tok/s, latency p50 {level[mode]['latency_s']['p50']:.2f} s")
+        same = level["speculative"]["outputs"] == level["target_alone"]["outputs"]
+        identical = identical and same
+        if not same:
+            log(f"outputs differ at {clients} clients (a bug, or a near-tie of two logits: see PITFALLS #1)")
+        results["levels"].append(level)
+    results["identical_outputs"] = identical
+    out = Path(args.out)
+    (out / "serve.json").write_text(json.dumps(results, indent=2))
+    (out / "SERVE.md").write_text(markdown(results))
+    log(f"wrote {out / 'serve.json'} and {out / 'SERVE.md'}")
+    print((out / "SERVE.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,641 @@
+"""``verispec serve`` end to end: the official ``openai`` client against the server on a free loopback port, with
+tiny Llama models and a word-level tokenizer (one word = one token, so token counts can be read off the text).
+
+The draft is a perturbed copy of the target (it agrees partly), so blocks of several accepted tokens happen and
+stop strings can fall inside them. The target's embedding has a few padding rows beyond the tokenizer, and the
+last one is NaN: a prompt holding that id makes that request's logits NaN, and nobody else's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from tiny_models import perturbed  # noqa: E402
+
+from verispec.server import TextState, create_app  # noqa: E402
+
+WORDS = ["<unk>", "<s>", "</s>"] + (
+    "def return x y z ( ) : + - * 1 2 3 if else for in print hello world user assistant system the a cat dog"
+).split()
+EOS = 2
+PADDING = 4  # embedding rows beyond the tokenizer (never proposed nor emitted)
+NAN_ID = len(WORDS) + PADDING - 1  # its embedding is NaN in the target
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+MODEL = "tiny"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -------------------------------------------------------------------------------------------- fixtures
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # Only EOS is special: every other id decodes to exactly one word.
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _save_pair(root: Path) -> tuple[str, str]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS) + PADDING, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=EOS, initializer_range=0.1)
+    target = LlamaForCausalLM(config).eval()
+    draft = perturbed(target, scale=0.08, seed=3)
+    with torch.no_grad():
+        target.get_input_embeddings().weight[NAN_ID] = float("nan")
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        _tokenizer().save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")
+
+
+class LiveServer:
+    """uvicorn serving ``app`` in a background thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        _wait_healthy(self.url)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def _wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server at {url} not healthy after {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> tuple[str, str]:
+    return _save_pair(tmp_path_factory.mktemp("server-models"))
+
+
+@pytest.fixture(scope="module")
+def live(model_dirs):
+    engine_module = pytest.importorskip("verispec.engine")
+    from verispec.cli import build_decoder
+
+    target, draft = model_dirs
+    args = argparse.Namespace(target=target, draft=draft, num_draft_tokens="3", dtype="float32", device="cpu",
+                              fast=False)
+    decoder, tokenizer = build_decoder(args, progress=lambda message: None)
+    engine = engine_module.Engine(decoder, max_batch_size=16)
+    engine.start()
+    app = create_app(engine, tokenizer, MODEL, max_context=decoder.max_positions, eos_token_ids=[EOS])
+    server = LiveServer(app)
+    server.engine, server.tokenizer, server.decoder, server.app = engine, tokenizer, decoder, app
+    server.target_dir = target
+    server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    yield server
+    server.close()
+    engine.shutdown()
+
+
+def _extra(obj, name: str):
+    """A field the OpenAI types do not declare (``stop_reason``, ``verispec``), as the client kept it."""
+    extra = getattr(obj, "model_extra", None) or {}
+    return extra.get(name, getattr(obj, name, None))
+
+
+def _expected_tokens(text: str, finish_reason: str, stop_reason) -> int:
+    """Word-level tokenizer: one token per word (a word cut by a stop string too); a trailing space comes with
+    the next word's token; plus EOS when the model stopped by itself."""
+    return len(text.split()) + text.endswith(" ") + (finish_reason == "stop" and stop_reason is None)
+
+
+def _complete(live, prompt, **kwargs):
+    kwargs.setdefault("temperature", 0.0)
+    return live.client.completions.create(model=MODEL, prompt=prompt, **kwargs)
+
+
+def _idle(live, timeout: float = 15.0) -> dict:
+    """Wait until every engine request the server submitted has finished and the engine's batch is empty;
+    return the engine's metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = live.engine.metrics()
+        in_flight = live.app.state.verispec.in_flight
+        if in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0 and metrics["batch_size"] == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout} s: {in_flight} in flight, engine {metrics}")
+        time.sleep(0.02)
+
+
+# ------------------------------------------------------------------------- TextState (no engine, no HTTP)
+
+
+def _text_state(stops=(), context=()) -> TextState:
+    return TextState(_tokenizer(), list(context), stops)
+
+
+def _ids(words: str) -> list[int]:
+    return [WORDS.index(w) for w in words.split()]
+
+
+def test_text_state_streams_and_counts_without_stops() -> None:
+    state = _text_state(context=_ids("def x"))
+    pieces = [state.add(_ids("y (")), state.add(_ids(")")), state.add([EOS]), state.flush()]
+    assert "".join(pieces) == state.text == " y ( )"  # the context gives the first word its space
+    assert state.num_tokens == 4 and state.stop is None  # EOS counts, shows no text
+
+
+@pytest.mark.parametrize("blocks", [["hello world print x"], ["hello", "world print x"],
+                                    ["hello", "world", "print", "x"]])
+def test_text_state_stop_spanning_two_tokens_inside_a_block(blocks) -> None:
+    state = _text_state(stops=["o wor"])
+    streamed = "".join(state.add(_ids(block)) for block in blocks) + state.flush()
+    assert streamed == state.text == "hell"  # cut before the stop string, which spans "hello" and "world"
+    assert state.stop == "o wor" and state.num_tokens == 1  # only "hello" is needed for "hell"
+
+
+def test_text_state_holds_back_a_possible_stop_then_releases_it() -> None:
+    state = _text_state(stops=["x + 1"])
+    assert state.add(_ids("print x")) == "print "  # "x" could start the stop string
+    assert state.add(_ids("+")) == ""  # "x +" still could
+    assert state.add(_ids("2")) == "x + 2"  # it did not
+    assert state.add(_ids("x")) == " "
+    assert state.flush() == "x" and state.stop is None and state.num_tokens == 5
+
+
+def test_text_state_earliest_stop_wins_and_stop_at_the_start_returns_nothing() -> None:
+    state = _text_state(stops=["world", "hello"])
+    assert state.add(_ids("hello world")) == "" and state.stop == "hello" and state.num_tokens == 0
+    state = _text_state(stops=["2 3", "1"])
+    state.add(_ids("x 2 3 1"))
+    assert state.text == "x " and state.stop == "2 3" and state.num_tokens == 2  # the space comes with "2"
+
+
+# ---------------------------------------------------------------------------------------- end to end
+
+
+def _reference_greedy(live, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own greedy decoding (transformers' generate), stopping at EOS."""
+    from transformers import AutoModelForCausalLM
+
+    if not hasattr(live, "reference_model"):
+        live.reference_model = AutoModelForCausalLM.from_pretrained(live.target_dir).eval()
+    out = live.reference_model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS,
+        pad_token_id=0, suppress_tokens=list(range(len(WORDS), len(WORDS) + PADDING)),
+    )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_health_and_models(live) -> None:
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
+    models = live.client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", ["def x ( y ) :", "hello world print", "the cat"])
+def test_greedy_completion_is_the_target_alone(live, prompt) -> None:
+    out = _complete(live, prompt, max_tokens=20)
+    choice = out.choices[0]
+    expected = _reference_greedy(live, _ids(prompt), 20)
+    assert choice.text.split() == [WORDS[t] for t in expected if t != EOS]
+    assert choice.finish_reason == ("stop" if expected[-1] == EOS else "length")
+    assert out.usage.completion_tokens == len(expected) and out.usage.prompt_tokens == len(_ids(prompt))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    telemetry = _extra(out, "verispec")
+    assert telemetry["draft_tokens"] > 0 and 0 <= telemetry["acceptance_rate"] <= 1
+    assert telemetry["tokens_per_target_pass"] >= 1 and telemetry["mean_draft_length"] > 0
+
+
+def test_chat_uses_the_chat_template(live) -> None:
+    messages = [{"role": "system", "content": "print hello"}, {"role": "user", "content": "def x"}]
+    chat = live.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    rendered = live.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    plain = _complete(live, rendered, max_tokens=10)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage == plain.usage and chat.choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+
+
+def _collect_stream(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    texts, reasons, usage = {}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if hasattr(choice, "delta") else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (piece or "")
+            if choice.finish_reason is not None:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usage
+
+
+@pytest.mark.parametrize("settings", [
+    dict(temperature=0.0),
+    dict(temperature=0.9, top_p=0.95, seed=11, n=2),
+    dict(temperature=1.0, seed=5, stop=["x y", ")"], extra_body={"top_k": 8}),
+])
+def test_streaming_joins_to_the_non_streamed_text(live, settings) -> None:
+    whole = _complete(live, "def x ( y ) :", max_tokens=16, **settings)
+    stream = _complete(live, "def x ( y ) :", max_tokens=16, stream=True, stream_options={"include_usage": True},
+                       **settings)
+    texts, reasons, usage = _collect_stream(stream)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage == whole.usage
+
+    chat_whole = live.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, **settings)
+    chat_stream = live.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12, stream=True, **settings)
+    texts, reasons, _ = _collect_stream(chat_stream)
+    assert texts == {c.index: c.message.content for c in chat_whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in chat_whole.choices}
+
+
+def test_raw_stream_is_server_sent_events_ending_with_done(live) -> None:
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 6, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    events = raw.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["choices"][0]["text"] for c in chunks[:-1])  # one chunk per emitted piece: none empty
+    assert "verispec" in chunks[-1]
+
+
+def test_stop_strings_spanning_tokens_end_the_text_and_free_the_row(live) -> None:
+    prompt = "print hello"
+    full = _complete(live, prompt, max_tokens=24).choices[0].text
+    words = full.split()
+    assert len(words) >= 8, full
+    cancelled = live.engine.metrics()["requests_total"].get("cancelled", 0)
+    # Slow target passes (10 ms) so that a row that were not cancelled at its stop string would still run.
+    slow = live.decoder.target_model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
+    for i in (2, 5):
+        stop = f"{words[i][-1]} {words[i + 1][0]}"  # the end of one token and the start of the next
+        expected = full[: full.find(stop)]
+        for stream in (False, True):
+            if stream:
+                texts, reasons, usage = _collect_stream(_complete(
+                    live, prompt, max_tokens=24, stop=[stop, "no such"], stream=True,
+                    stream_options={"include_usage": True}))
+                text, reason = texts[0], reasons[0]
+            else:
+                out = _complete(live, prompt, max_tokens=24, stop=[stop, "no such"])
+                text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
+                assert _extra(out.choices[0], "stop_reason") == stop
+                assert _extra(out, "verispec")["tokens_per_target_pass"] > 1  # blocks of several tokens
+            assert text == expected and reason == "stop"
+            assert usage.completion_tokens == _expected_tokens(expected, "stop", stop)  # only those it needs
+    slow.remove()
+    assert _idle(live)["requests_total"].get("cancelled", 0) == cancelled + 4  # each left the batch at once
+    # A stop string in the last block before the length cap: the finish reason is still "stop".
+    out = _complete(live, prompt, max_tokens=8, stop=words[7])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == full[: full.find(words[7])]
+    _idle(live)
+
+
+def test_seeds_reproduce_and_n_choices_get_derived_seeds(live) -> None:
+    settings = dict(temperature=1.0, top_p=0.9, max_tokens=16)
+    first = _complete(live, "the cat", seed=7, **settings)
+    again = _complete(live, "the cat", seed=7, **settings)
+    assert first.choices[0].text == again.choices[0].text
+    others = {_complete(live, "the cat", seed=s, **settings).choices[0].text for s in range(8, 14)}
+    assert len(others | {first.choices[0].text}) > 1  # different seeds, different samples
+    many = _complete(live, "the cat", seed=7, n=3, **settings)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):  # choice i is the request with seed + i, served alone
+        assert choice.text == _complete(live, "the cat", seed=7 + i, **settings).choices[0].text
+    assert many.usage.completion_tokens == sum(
+        _expected_tokens(c.text, c.finish_reason, _extra(c, "stop_reason")) for c in many.choices)
+    assert len(_extra(many, "verispec")["choices"]) == 3
+
+
+def test_n_greedy_choices_and_prompt_lists(live) -> None:
+    out = _complete(live, ["hello world", "def x"], n=2, max_tokens=10)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text == _complete(live, "hello world", max_tokens=10).choices[0].text
+    assert out.choices[2].text == out.choices[3].text == _complete(live, [WORDS.index("def"), WORDS.index("x")],
+                                                                   max_tokens=10).choices[0].text
+    assert out.usage.prompt_tokens == 4
+    assert out.usage.completion_tokens == sum(
+        _expected_tokens(c.text, c.finish_reason, _extra(c, "stop_reason")) for c in out.choices)
+
+
+def _post(live, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 200}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 100, "max_tokens": 50}, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x"', None),
+    ("/v1/completions", b"\xff\xfe", None),
+    ("/v1/completions", [1, 2], None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -0.5}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 0}, "top_k"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": [1]}, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(live, path, body, param) -> None:
+    response = _post(live, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_requests_through_the_client_and_unknown_paths(live) -> None:
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        live.client.completions.create(model="nope", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
+    response = httpx.get(f"{live.url}/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+def test_nan_logits_end_one_request_with_error_and_spare_the_others(live) -> None:
+    poisoned = {"model": MODEL, "prompt": _ids("print hello") + [NAN_ID], "max_tokens": 12, "temperature": 0}
+    healthy = {"model": MODEL, "prompt": "the cat", "max_tokens": 16, "temperature": 0}
+    alone = _post(live, "/v1/completions", healthy).json()
+
+    async def together():
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json=body)
+                                          for body in (healthy, poisoned, healthy, poisoned)])
+
+    responses = [r.json() for r in asyncio.run(together())]
+    for response in responses[1::2]:
+        assert response["choices"][0]["finish_reason"] == "error"
+        assert "error" in response["verispec"]["choices"][0]
+    for response in responses[0::2]:
+        assert response["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert response["choices"][0]["finish_reason"] == alone["choices"][0]["finish_reason"]
+    after = _post(live, "/v1/completions", healthy).json()  # the slot it used is clean again
+    assert after["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_client_disconnect_cancels_the_engine_request(live) -> None:
+    before = live.engine.metrics()["requests_total"].get("cancelled", 0)
+    # Greedy from "hello" runs to the length cap (no EOS), and each target pass is slowed to 5 ms: the
+    # hang-up lands mid-generation however fast the machine.
+    slow = live.decoder.target_model.register_forward_pre_hook(lambda module, args: time.sleep(0.005))
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 120, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as response:
+            next(response.iter_lines())  # the first piece arrived: the request is in the batch; now hang up
+        metrics = _idle(live)
+        assert metrics["requests_total"].get("cancelled", 0) == before + 1
+        # Non-streaming: the client gives up waiting.
+        body.update(stream=False)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+        metrics = _idle(live)
+        assert metrics["requests_total"].get("cancelled", 0) == before + 2
+    finally:
+        slow.remove()
+    samples = _parse_metrics(httpx.get(f"{live.url}/metrics").text)
+    assert samples['verispec_completions_total{finish_reason="abort"}'] >= 2
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_in_prometheus_text_format(live) -> None:
+    _complete(live, "hello world", max_tokens=8)
+    _complete(live, "hello world", max_tokens=8, stop="x")
+    response = httpx.get(f"{live.url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    samples = _parse_metrics(text)
+    for name, kind in [("verispec_requests_total", "counter"), ("verispec_tokens_generated_total", "counter"),
+                       ("verispec_draft_tokens_total", "counter"), ("verispec_accepted_tokens_total", "counter"),
+                       ("verispec_acceptance_rate", "gauge"), ("verispec_batch_size", "gauge"),
+                       ("verispec_time_to_first_token_seconds", "histogram"),
+                       ("verispec_time_per_output_token_seconds", "histogram")]:
+        assert f"# TYPE {name} {kind}" in text
+    assert sum(v for k, v in samples.items() if k.startswith("verispec_requests_total{")) >= 2
+    assert samples["verispec_tokens_generated_total"] > 0
+    assert 0 < samples["verispec_accepted_tokens_total"] <= samples["verispec_draft_tokens_total"]
+    assert 0 < samples["verispec_acceptance_rate"] <= 1
+    assert samples['verispec_completions_total{finish_reason="length"}'] >= 1
+    assert samples['verispec_http_requests_total{endpoint="/v1/completions",code="200"}'] >= 2
+    assert samples["verispec_server_requests_in_flight"] == 0
+    for histogram in ("verispec_time_to_first_token_seconds", "verispec_time_per_output_token_seconds"):
+        buckets = [v for k, v in samples.items() if k.startswith(f"{histogram}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == samples[f"{histogram}_count"] > 0
+        assert f'{histogram}_bucket{{le="+Inf"}}' in samples
+
+
+# ---------------------------------------------------------------------------------------------- load
+
+
+PROMPTS = ["def x ( y ) :", "hello world", "the cat", "print 1 + 2", "for x in y :", "a dog", "return z", "if x"]
+
+
+def _load_settings(i: int) -> dict:
+    """Client i's request: greedy or seeded sampling, streamed or not, max_tokens 1 or more, or one that aborts."""
+    prompt = PROMPTS[i % len(PROMPTS)]
+    kind = (i // len(PROMPTS)) % 8
+    settings = {"prompt": prompt, "max_tokens": (1, 6, 14)[i % 3], "temperature": 0.0}
+    if kind in (2, 3):
+        settings.update(temperature=0.9, top_p=0.95, seed=i % 5)
+    if kind == 4:
+        settings.update(max_tokens=1)
+    if kind in (1, 3, 5):
+        settings.update(stream=True)
+    if kind == 6:
+        settings.update(abort_after=random.Random(i).choice([0.01, 0.05, 0.2]), max_tokens=100)
+    if kind == 7:
+        settings.update(n=2)
+    return settings
+
+
+def test_load_64_concurrent_clients(live) -> None:
+    clients = 64
+    duration_s = 4.0
+    solo: dict[str, tuple] = {}
+
+    def key(settings: dict) -> str:
+        return json.dumps({k: v for k, v in settings.items() if k not in ("stream",)}, sort_keys=True)
+
+    def text_of(body: dict) -> tuple:
+        return tuple((c["text"], c["finish_reason"]) for c in body["choices"])
+
+    for i in range(clients):  # every distinct request, served alone first
+        settings = _load_settings(i)
+        if "abort_after" not in settings and key(settings) not in solo:
+            body = _post(live, "/v1/completions", {"model": MODEL, **settings, "stream": False}).json()
+            solo[key(settings)] = text_of(body)
+
+    start_metrics = _idle(live)
+    failures: list[str] = []
+    counts = {"done": 0, "aborted": 0, "finished_before_abort": 0}
+
+    async def one(client: httpx.AsyncClient, settings: dict) -> None:
+        body = {"model": MODEL, **{k: v for k, v in settings.items() if k != "abort_after"}}
+        if "abort_after" in settings:
+            try:
+                await asyncio.wait_for(client.post("/v1/completions", json=body), settings["abort_after"])
+                counts["finished_before_abort"] += 1
+            except asyncio.TimeoutError:
+                counts["aborted"] += 1
+            return
+        if body.get("stream"):
+            body["stream_options"] = {"include_usage": True}
+            texts: dict[int, str] = {}
+            reasons: dict[int, str] = {}
+            usage = None
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    for c in chunk["choices"]:
+                        texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                        if c["finish_reason"]:
+                            reasons[c["index"]] = (c["finish_reason"], c.get("stop_reason"))
+            choices = [{"text": texts[i], "finish_reason": reasons[i][0], "stop_reason": reasons[i][1]}
+                       for i in sorted(texts)]
+            result = {"choices": choices, "usage": usage}
+        else:
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            result = response.json()
+        if text_of(result) != solo[key(settings)]:
+            failures.append(f"{settings}: {text_of(result)} != solo {solo[key(settings)]}")
+        expected = sum(_expected_tokens(c["text"], c["finish_reason"], c.get("stop_reason")) for c in result["choices"])
+        if result["usage"]["completion_tokens"] != expected:
+            failures.append(f"{settings}: usage {result['usage']} but the text needs {expected} tokens")
+        counts["done"] += 1
+
+    async def client_loop(i: int, deadline: float) -> None:
+        async with httpx.AsyncClient(base_url=live.url, timeout=60) as client:
+            rng = random.Random(i)
+            while True:
+                await one(client, _load_settings(i if rng.random() < 0.5 else rng.randrange(clients)))
+                if time.monotonic() > deadline:
+                    return
+
+    batch_sizes: list[int] = []
+
+    async def watch_batch(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            batch_sizes.append(live.engine.metrics()["batch_size"])
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        deadline = time.monotonic() + duration_s
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch_batch(stop))
+        await asyncio.wait_for(asyncio.gather(*[client_loop(i, deadline) for i in range(clients)]), timeout=90)
+        stop.set()
+        await watcher
+
+    asyncio.run(main())
+    assert max(batch_sizes) > 1  # requests really shared the batch
+    assert not failures, "\n".join(failures[:10])
+    # Every client finishes at least one request before its deadline check, however slow the machine is.
+    assert sum(counts.values()) >= clients and counts["done"] >= 1 and counts["aborted"] >= 1
+    end_metrics = _idle(live)  # every row has left the batch: the caches are back to empty
+    assert end_metrics["batch_size"] == start_metrics["batch_size"] == 0
+    assert end_metrics["requests_total"].get("cancelled", 0) > start_metrics["requests_total"].get("cancelled", 0)
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.skipif(not (ROOT / "verispec" / "engine.py").exists(), reason="needs verispec/engine.py")
+def test_cli_serve_runs_a_server(model_dirs) -> None:
+    target, draft = model_dirs
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "verispec.cli", "serve", "--target", target, "--draft", draft, "--port",
+               str(port), "--num-draft-tokens", "2", "--max-batch-size", "4", "--model-name", "cli-model",
+               "--no-fast", "--log-level", "warning"]
+    process = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", timeout=90)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["cli-model"]
+        out = client.completions.create(model="cli-model", prompt="hello world", max_tokens=5, temperature=0)
+        assert out.usage.completion_tokens == _expected_tokens(out.choices[0].text, out.choices[0].finish_reason,
+                                                               _extra(out.choices[0], "stop_reason"))
+    finally:
+        process.terminate()
+        _, err = process.communicate(timeout=30)
+    assert "serving cli-model" in err
