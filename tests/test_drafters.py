@@ -9,8 +9,7 @@ import functools
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
-from tiny_models import KINDS, build, pair, prompt, reference_greedy
+from tiny_models import KINDS, build, chi_square_p, pair, prompt, reference_greedy
 
 from verispec import SpeculativeDecoder
 from verispec.drafters import (
@@ -436,16 +435,7 @@ def _token_law(model, context: list[int], warp, length: int) -> np.ndarray:
 
 
 def _chi_square_p(observed: np.ndarray, law: np.ndarray) -> float:
-    rows = observed.sum()
-    expected_counts = law.ravel() * rows
-    observed = observed.ravel()
-    assert observed[expected_counts == 0].sum() == 0  # nothing outside the top-k / top-p support
-    keep = expected_counts >= 20
-    merged_obs = np.append(observed[keep], observed[~keep].sum())
-    merged_exp = np.append(expected_counts[keep], expected_counts[~keep].sum())
-    if merged_exp[-1] == 0:
-        merged_obs, merged_exp = merged_obs[:-1], merged_exp[:-1]
-    return scipy_stats.chisquare(merged_obs, merged_exp * merged_obs.sum() / merged_exp.sum()).pvalue
+    return chi_square_p(observed, law, min_expected=20)
 
 
 @pytest.mark.parametrize(

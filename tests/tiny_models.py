@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 import functools
 
+import numpy as np
 import torch
+from scipy import stats as scipy_stats
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -69,3 +71,17 @@ def reference_greedy(model: PreTrainedModel, tokens: list[int], max_new_tokens: 
         pad_token_id=0, eos_token_id=None,
     )
     return out[0, len(tokens):].tolist()
+
+
+def chi_square_p(observed: np.ndarray, law: np.ndarray, min_expected: float) -> float:
+    """Chi-square p-value of ``observed`` counts against ``law``; cells expecting fewer than ``min_expected``
+    counts are merged into one. Fails if anything landed where the law puts no mass."""
+    expected_counts = law.ravel() * observed.sum()
+    observed = observed.ravel()
+    assert observed[expected_counts == 0].sum() == 0  # nothing outside the top-k / top-p support
+    keep = expected_counts >= min_expected
+    merged_obs = np.append(observed[keep], observed[~keep].sum())
+    merged_exp = np.append(expected_counts[keep], expected_counts[~keep].sum())
+    if merged_exp[-1] == 0:
+        merged_obs, merged_exp = merged_obs[:-1], merged_exp[:-1]
+    return scipy_stats.chisquare(merged_obs, merged_exp * merged_obs.sum() / merged_exp.sum()).pvalue

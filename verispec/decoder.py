@@ -315,7 +315,10 @@ class DecodeBatch:
 
     def add(self, rows: list[Row]) -> None:
         """Prefill new rows (every prompt token but the last, which opens their first block) and join them."""
-        rows = [row for row in rows if row.max_new_tokens > 0 or self._finish(row, "length")]
+        for row in rows:
+            if row.max_new_tokens <= 0:  # nothing to generate: finished before joining
+                row.reason = "length"
+        rows = [row for row in rows if row.reason is None]
         if not rows:
             return
         t0 = time.perf_counter()
@@ -348,10 +351,6 @@ class DecodeBatch:
             row.reason = "cancelled"
         self._drop_finished()
         return cancelled
-
-    def _finish(self, row: Row, reason: str) -> bool:
-        row.reason = reason
-        return False
 
     def _uniforms(self, k: int, row_gammas: list[int]) -> torch.Tensor | None:
         """[B, 2k+1] float64: per row, its own draft draws (cols < k_r), acceptance tests (cols k..k+k_r-1)
