@@ -60,6 +60,18 @@ def test_generate_json_equals_the_target_alone(models, capsys) -> None:
     assert set(spec) >= {"text", "tokens", "stats", "wall_time_s", "tokens_per_second", "finish_reason"}
 
 
+@pytest.mark.parametrize("quant, message", [("int4", "int8 weights"), ("int8", "int8 weights"), ("none", None)])
+def test_draft_quantisation_choices_keep_the_output(models, capsys, quant, message) -> None:
+    """Hidden size 32 is not a multiple of the int4 group size (64): int4 falls back to int8, and says so."""
+    common = ["generate", "--target", models["target"], "--prompt", "def x ( y ) :", "--max-new-tokens", "9", "--json"]
+    code, _, err = run(capsys, *common[:-1], "--draft", models["draft"], "--draft-quant", quant)  # progress shown
+    assert code == 0
+    assert (message in err) if message else ("int8 weights" not in err and "int4 weights" not in err)
+    code, out, _ = run(capsys, *common, "--draft", models["draft"], "--draft-quant", quant)
+    code, alone, _ = run(capsys, *common, "--draft", "none")
+    assert json.loads(out)["tokens"] == json.loads(alone)["tokens"]
+
+
 def test_generate_streams_text_and_reports(models, capsys) -> None:
     argv = ["generate", "--target", models["target"], "--draft", "ngram", "--prompt", "x + 1 x + 1 x +",
             "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3"]

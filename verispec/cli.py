@@ -49,7 +49,7 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
 
     from .decoder import SpeculativeDecoder
     from .drafters import NGramDrafter
-    from .fast import prepack_linears, quantize_draft
+    from .fast import int4_supported, prepack_linears, quantize_draft
 
     target, tokenizer = load_model(args.target, args.dtype, args.device, progress)
     if args.fast and prepack_linears(target):
@@ -60,9 +60,11 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
     elif args.draft != "none":
         draft_model, draft_tokenizer = load_model(args.draft, args.dtype, args.device, progress)
         check_same_tokenizer(tokenizer, draft_tokenizer)
-        if args.fast and args.device == "cpu":
-            draft_model = quantize_draft(draft_model)
-            progress("draft: int8 dynamic quantisation (drafts may be lossy; the target decides)")
+        quant = getattr(args, "draft_quant", "int4")
+        if args.fast and args.device == "cpu" and quant != "none":
+            bits = 4 if quant == "int4" and int4_supported(draft_model) else 8
+            draft_model = quantize_draft(draft_model, bits=bits)
+            progress(f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
         elif args.fast and prepack_linears(draft_model):
             progress("draft: linear layers pre-packed")
     gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
@@ -215,6 +217,8 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",
                         help="do not pre-pack the target's linear layers nor quantise the draft")
+    parser.add_argument("--draft-quant", choices=["int4", "int8", "none"], default="int4",
+                        help="CPU draft weights: int4 (default; int8 where the int4 kernel cannot run), int8 or none")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
 
 

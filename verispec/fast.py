@@ -12,6 +12,7 @@ drafts only: any draft keeps the output exact, since the target decides.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -67,17 +68,76 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     return replaced
 
 
+class Int4Linear(nn.Module):
+    """Weight-only int4 ``nn.Linear`` for CPU drafts: weights quantised per group of ``group_size`` inputs
+    (asymmetric, round to nearest) and packed for ATen's CPU int4 kernel, which takes bfloat16 activations.
+    Half the bytes of int8, and the draft's single-token passes are bound by memory bandwidth."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = 64) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
+        weight = linear.weight.detach().float()  # [N, K]
+        padded_rows = -self.out_features % 16  # the packing wants N in multiples of 16: pad with zero rows
+        weight = torch.cat([weight, weight.new_zeros(padded_rows, self.in_features)])  # [N', K]
+        groups = weight.reshape(weight.shape[0], -1, group_size)  # [N', K/g, g]
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [N, K/g]
+        scale = ((high - low) / 15).clamp(min=1e-8)
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+        self.register_buffer("packed_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.reshape(weight.shape), 8), persistent=False)
+        # The kernel computes (code - 8) * scale + zero, so zero = low + 8 * scale.
+        zero = low + 8 * scale
+        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1)
+                             .contiguous().to(torch.bfloat16), persistent=False)  # [K/g, N', 2]
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [N, in]
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed_weight, self.group_size,
+                                                         self.scales_and_zeros)[:, : self.out_features].to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def int4_supported(model: nn.Module, group_size: int = 64) -> bool:
+    """ATen's CPU int4 kernel: CPU weights, every linear's input size a multiple of the group size."""
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    return (
+        bool(linears)
+        and next(model.parameters()).device.type == "cpu"
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        and all(m.in_features % group_size == 0 for m in linears)
+    )
+
+
 @torch.no_grad()
-def quantize_draft(model: nn.Module) -> nn.Module:
-    """Dynamically int8-quantise a draft's linear layers (weights int8, activations quantised per call).
+def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.Module:
+    """Quantise a draft's linear layers; returns a new module tree (``model`` is left as is).
 
-    Lossy: for drafts only. Returns the quantised model (a new module tree; ``model`` is left as is).
+    ``bits=8``: torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
+    ``bits=4``: weight-only int4 in groups of ``group_size`` (:class:`Int4Linear`), CPU only.
+    Lossy: for drafts only. Any draft keeps the output exact, since the target decides.
     """
-    from torch.ao.quantization import quantize_dynamic
+    if bits == 8:
+        from torch.ao.quantization import quantize_dynamic
 
-    with warnings.catch_warnings():  # torch.ao's eager quantisation is deprecated in favour of torchao, which
-        warnings.simplefilter("ignore")  # is not installed here; it still works in torch 2.13
-        return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
+        with warnings.catch_warnings():  # torch.ao's eager quantisation is deprecated in favour of torchao, which
+            warnings.simplefilter("ignore")  # is not installed here; it still works in torch 2.13
+            return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
+    if bits != 4:
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    if not int4_supported(model, group_size):
+        raise ValueError(f"int4 drafts need a CPU model whose linear input sizes are multiples of {group_size}")
+    quantized = copy.deepcopy(model)
+    for parent in list(quantized.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, Int4Linear(child, group_size))
+    return quantized
 
 
-__all__ = ["PackedLinear", "packing_supported", "prepack_linears", "quantize_draft"]
+__all__ = ["Int4Linear", "PackedLinear", "int4_supported", "packing_supported", "prepack_linears", "quantize_draft"]
