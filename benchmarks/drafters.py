@@ -2,10 +2,10 @@
 
     python benchmarks/drafters.py [--max-new-tokens 48] [--out benchmarks]
 
-Real pair (Qwen2.5-Coder 1.5B fp32 target, pre-packed): target alone, 0.5B int8 draft, n-gram prompt lookup,
-composite (lookup, else the 0.5B int8 draft), early exit (first layers of the target), int8 copy of the
-target; all with num_draft_tokens="auto". Then, per workload, the draft-length sweep with the 0.5B int8
-draft: fixed 1..8, transformers' heuristic, auto. Real single model (SmolLM2-135M): target alone, n-gram,
+Real pair (Qwen2.5-Coder 1.5B fp32 target, pre-packed): target alone, 0.5B int4 and int8 drafts, n-gram
+prompt lookup, composite (lookup, else the 0.5B int4 draft), early exit (first layers of the target), int8
+copy of the target; all with num_draft_tokens="auto". Then, per workload, the draft-length sweep with the
+0.5B int4 draft: fixed 1..8, transformers' heuristic, auto, interleaved per prompt, median of --repeats. Real single model (SmolLM2-135M): target alone, n-gram,
 early exit, int8 self-draft. Greedy throughout. Writes drafters.json and DRAFTERS.md.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,7 +40,7 @@ def measure(decoder, prompts, n, eos, **kwargs) -> dict:
         proposed += out.stats.draft_tokens
         outputs.append(out.tokens[0])
     return {"tokens_per_s": tokens / seconds, "acceptance": accepted / proposed if proposed else 0.0,
-            "outputs": outputs}
+            "outputs": outputs, "tokens": tokens, "seconds": seconds, "accepted": accepted, "proposed": proposed}
 
 
 def by_kind(prompts, encoded, per_kind: int) -> dict[str, list[list[int]]]:
@@ -64,13 +65,29 @@ def compare(decoder, drafters: dict, groups, n, eos) -> dict:
     return results
 
 
-def sweep(decoder, drafter, groups, n, eos) -> dict:
+POLICIES = [1, 2, 3, 4, 5, 6, 7, 8, "heuristic", "auto"]
+
+
+def sweep(decoder, drafter, groups, n, eos, repeats: int) -> dict:
+    """Every policy on every prompt, interleaved per prompt (machine noise hits all policies alike), repeated;
+    tokens/s per policy = median over repeats of (tokens / seconds over the workload's prompts)."""
     results = {}
     for kind, prompts in groups.items():
+        totals = {str(p): [[0, 0.0, 0, 0] for _ in range(repeats)] for p in POLICIES}
+        for r in range(repeats):
+            for ids in prompts:
+                for policy in POLICIES:
+                    m = measure(decoder, [ids], n, eos, draft=drafter, num_draft_tokens=policy)
+                    t = totals[str(policy)][r]
+                    t[0] += m["tokens"]
+                    t[1] += m["seconds"]
+                    t[2] += m["accepted"]
+                    t[3] += m["proposed"]
         rows = {}
-        for policy in [1, 2, 3, 4, 5, 6, 7, 8, "heuristic", "auto"]:
-            m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens=policy)
-            rows[str(policy)] = {"tokens_per_s": m["tokens_per_s"], "acceptance": m["acceptance"]}
+        for policy, runs in totals.items():
+            rates = [t[0] / t[1] for t in runs]
+            rows[policy] = {"tokens_per_s": statistics.median(rates), "tokens_per_s_all": rates,
+                            "acceptance": sum(t[2] for t in runs) / max(sum(t[3] for t in runs), 1)}
         fixed = {k: v for k, v in rows.items() if k.isdigit()}
         best = max(fixed, key=lambda k: fixed[k]["tokens_per_s"])
         rows["best_fixed"] = best
@@ -87,6 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--per-kind", type=int, default=2, help="prompts per workload")
     parser.add_argument("--early-exit-layers", type=int, default=14)
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--repeats", type=int, default=2, help="repeats of the draft-length sweep")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args(argv)
     n = args.max_new_tokens
@@ -100,21 +118,23 @@ def main(argv=None) -> int:
     int8_target = quantize_draft(target)  # before packing: quantisation needs plain nn.Linear layers
     prepack_linears(target)
     int8_draft = quantize_draft(draft)
+    int4_draft = quantize_draft(draft, bits=4)
     del draft
-    decoder = SpeculativeDecoder(target, int8_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
+    decoder = SpeculativeDecoder(target, int4_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
     groups = by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind)
     decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
     drafters = {
+        "draft_0.5b_int4": ModelDrafter(int4_draft),
         "draft_0.5b_int8": ModelDrafter(int8_draft),
         "ngram": NGramDrafter(),
-        "composite_ngram_0.5b": CompositeDrafter(NGramDrafter(), ModelDrafter(int8_draft)),
+        "composite_ngram_0.5b": CompositeDrafter(NGramDrafter(), ModelDrafter(int4_draft)),
         f"early_exit_{args.early_exit_layers}": EarlyExitDrafter(target, args.early_exit_layers),
         "target_int8": ModelDrafter(int8_target),
     }
     report["qwen_drafters"] = compare(decoder, drafters, groups, n, eos)
     if not args.skip_sweep:
-        report["qwen_gamma_sweep"] = sweep(decoder, drafters["draft_0.5b_int8"], groups, n, eos)
-    del decoder, drafters, target, int8_target, int8_draft
+        report["qwen_gamma_sweep"] = sweep(decoder, drafters["draft_0.5b_int4"], groups, n, eos, args.repeats)
+    del decoder, drafters, target, int8_target, int8_draft, int4_draft
 
     small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
     small_int8 = quantize_draft(small)
@@ -127,7 +147,7 @@ def main(argv=None) -> int:
         "ngram": NGramDrafter(), "early_exit_15": EarlyExitDrafter(small, 15), "self_int8": ModelDrafter(small_int8),
     }, small_groups, n, small_eos)
     if not args.skip_sweep:
-        report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos)
+        report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos, args.repeats)
 
     out = Path(args.out)
     (out / "drafters.json").write_text(json.dumps(report, indent=2))
@@ -152,7 +172,7 @@ def markdown(report: dict) -> str:
                 f"{row[name]['tokens_per_s']:.2f} (x{row[name]['speedup']:.2f}, a={row[name]['acceptance']:.2f})"
                 for name in names) + " |")
         lines.append("")
-    for key, title in (("qwen_gamma_sweep", "Draft length, Qwen pair with the 0.5B int8 draft"),
+    for key, title in (("qwen_gamma_sweep", "Draft length, Qwen pair with the 0.5B int4 draft"),
                        ("smollm2_gamma_sweep", "Draft length, SmolLM2 with n-gram lookup")):
         table = report.get(key)
         if not table:

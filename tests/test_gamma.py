@@ -13,7 +13,15 @@ import pytest
 from tiny_models import pair, prompt, reference_greedy
 
 from verispec import SpeculativeDecoder
-from verispec.gamma import CostModelGamma, FixedGamma, HeuristicGamma, best_gamma, expected_tokens
+from verispec.gamma import (
+    CostModelGamma,
+    FixedGamma,
+    HeuristicGamma,
+    PositionCounts,
+    best_gamma,
+    expected_tokens,
+    expected_tokens_by_position,
+)
 
 # --- expected_tokens ---------------------------------------------------------------------------------------------
 
@@ -222,13 +230,80 @@ def test_cost_model_that_says_dont_draft_still_probes_now_and_then() -> None:
     assert policy.choose(0) == 0  # no budget for drafts: no probe either
 
 
-def test_cost_model_reset_forgets_acceptance_but_keeps_costs() -> None:
+def test_cost_model_reset_forgets_the_request_but_keeps_costs_and_the_pool() -> None:
     policy = CostModelGamma()
     policy.observe(4, [4, 4], [0, 1], draft_time_s=0.4, target_time_s=2.0)
-    assert policy.acceptance < policy.prior_acceptance
+    assert policy.acceptance < policy.pool_acceptance < policy.prior_acceptance
     policy.reset()
-    assert policy.acceptance == policy.prior_acceptance
+    assert policy.counts.judged == [] and policy.acceptance == policy.pool_acceptance < policy.prior_acceptance
     assert policy.target_cost[5].value == 2.0 and policy.draft_cost.value == 0.1
+
+
+def test_rows_share_costs_and_pool_but_not_their_counts() -> None:
+    policy = CostModelGamma()
+    row_a, row_b = policy.for_row(), policy.for_row()
+    row_a.observe(4, [4], [4], None, None)
+    assert row_a.counts.judged == [1, 1, 1, 1] and row_b.counts.judged == []
+    assert row_b.pool is row_a.pool is policy.pool and policy.pool.judged
+    assert row_a.acceptance > row_b.acceptance > policy.prior_acceptance  # b starts from the pool's level
+    policy.observe(2, [2, 2], [], 0.1, 1.0)  # the batch-level call: costs only
+    assert row_a.target_cost is policy.target_cost and row_b.draft_cost.value == 0.05
+
+
+@pytest.mark.parametrize("length, kept, judged, kept_at", [
+    (4, 2, [1, 1, 1], [1, 1, 0]),  # third draft rejected: the fourth was never judged
+    (2, 2, [1, 1], [1, 1]),  # all kept
+    (3, 0, [1], [0]),
+    (0, 0, [], []),
+])
+def test_position_counts(length: int, kept: int, judged: list, kept_at: list) -> None:
+    counts = PositionCounts()
+    counts.add(length, kept)
+    assert counts.judged == judged and counts.kept == kept_at
+
+
+def test_expected_tokens_by_position() -> None:
+    assert math.isclose(expected_tokens_by_position([0.7] * 6, 6), expected_tokens(0.7, 6), rel_tol=1e-12)
+    assert math.isclose(expected_tokens_by_position([0.5, 0.9, 0.9], 3), 1 + 0.5 + 0.45 + 0.405, rel_tol=1e-12)
+    assert expected_tokens_by_position([0.5, 0.9], 0) == 1.0
+
+
+class BurstyWorld(World):
+    """Draft 0 is kept with probability 0.55; a draft after a kept one with 0.92 (acceptance comes in runs)."""
+
+    profile = [0.55] + [0.92] * 20
+
+    def __init__(self) -> None:
+        super().__init__(0.0, 0.12, lambda m: 1.0 + 0.02 * (m - 1))
+
+    def rate(self, gamma: int) -> float:
+        return expected_tokens_by_position(self.profile, gamma) / (gamma * self.draft_cost + self.target_cost(gamma + 1))
+
+    def step(self, policy, rng: random.Random, rows: int = 32) -> int:
+        gamma = policy.choose(100)
+        kept = []
+        for _ in range(rows):
+            n = 0
+            while n < gamma and rng.random() < self.profile[n]:
+                n += 1
+            kept.append(n)
+        policy.observe(gamma, [gamma] * rows, kept, gamma * self.draft_cost, self.target_cost(gamma + 1))
+        return gamma
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_position_acceptance_predicts_bursty_drafts_better(seed: int) -> None:
+    """With runs of acceptance, one iid rate underestimates long drafts; per position finds the optimum."""
+    world = BurstyWorld()
+    best = max(world.rate(g) for g in range(11))
+    settled = {}
+    for per_position in (True, False):
+        rng = random.Random(seed)
+        policy = CostModelGamma(max_gamma=10, per_position=per_position)
+        choices = [world.step(policy, rng) for _ in range(400)]
+        settled[per_position] = world.rate(collections.Counter(choices[-100:]).most_common(1)[0][0])
+    assert settled[True] > 0.99 * best, settled
+    assert settled[False] < 0.98 * best, settled
 
 
 @pytest.mark.parametrize("acceptance", [0.2, 0.6, 0.9])

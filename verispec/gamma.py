@@ -6,7 +6,7 @@
 - ``CostModelGamma`` (``num_draft_tokens="auto"``): Leviathan et al.'s model. With per-token acceptance
   ``a``, a step with g drafts emits ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs
   ``g * t_draft + t_target(g + 1)``; pick the g with the most tokens per second. ``a`` is estimated online
-  per request; ``t_draft`` and ``t_target(m)`` are measured online (scoring m tokens is *not* as cheap as
+  per request and per draft position (acceptance is bursty, see ``CostModelGamma``); ``t_draft`` and ``t_target(m)`` are measured online (scoring m tokens is *not* as cheap as
   one on a CPU), with unmeasured sizes interpolated from measured ones and probed when they might win.
 
 Policies only choose lengths; exactness never depends on them.
@@ -84,15 +84,62 @@ def expected_tokens(acceptance: float, gamma: int) -> float:
     return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
 
 
-def best_gamma(acceptance: float, draft_cost: float, target_cost: list[float], max_gamma: int) -> int:
-    """argmax over g in [0, max_gamma] of expected_tokens(a, g) / (g * draft_cost + target_cost[g]),
-    where ``target_cost[g]`` is the cost of scoring g+1 tokens. Ties go to the shorter draft."""
+def expected_tokens_by_position(acceptance: list[float], gamma: int) -> float:
+    """Mean tokens per step with ``gamma`` drafts when draft i is kept with probability ``acceptance[i]``
+    given that drafts 0..i-1 were kept: ``1 + sum_j prod_{i<=j} acceptance[i]``. Acceptance is bursty in
+    practice (a draft that matched so far tends to keep matching), which the iid formula misses."""
+    total, survive = 1.0, 1.0
+    for i in range(gamma):
+        survive *= acceptance[i]
+        total += survive
+    return total
+
+
+def best_gamma(acceptance: float | list[float], draft_cost: float, target_cost: list[float], max_gamma: int) -> int:
+    """argmax over g in [0, max_gamma] of expected tokens / (g * draft_cost + target_cost[g]), where
+    ``target_cost[g]`` is the cost of scoring g+1 tokens and ``acceptance`` one rate (iid) or one conditional
+    rate per draft position (at least ``max_gamma`` of them). Ties go to the shorter draft."""
     best, best_rate = 0, -math.inf
     for g in range(0, max_gamma + 1):
-        rate = expected_tokens(acceptance, g) / (g * draft_cost + target_cost[g])
+        tokens = (expected_tokens(acceptance, g) if isinstance(acceptance, (int, float))
+                  else expected_tokens_by_position(acceptance, g))
+        rate = tokens / (g * draft_cost + target_cost[g])
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = g, rate
     return best
+
+
+def _logit(x: float) -> float:
+    x = min(max(x, 1e-4), 1 - 1e-4)
+    return math.log(x / (1 - x))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@dataclass
+class PositionCounts:
+    """Kept / judged counts per draft position (index i: the (i+1)-th draft of a block). A draft is judged
+    when every draft before it in its block was kept; it is kept when the target accepts it too."""
+
+    kept: list[float] = field(default_factory=list)
+    judged: list[float] = field(default_factory=list)
+
+    def add(self, draft_length: int, num_kept: int, decay: float = 1.0) -> None:
+        if decay != 1.0:
+            self.kept = [x * decay for x in self.kept]
+            self.judged = [x * decay for x in self.judged]
+        judged = min(num_kept + 1, draft_length)
+        while len(self.judged) < judged:
+            self.kept.append(0.0)
+            self.judged.append(0.0)
+        for i in range(judged):
+            self.judged[i] += 1
+            self.kept[i] += i < num_kept
+
+    def total(self) -> tuple[float, float]:
+        return sum(self.kept), sum(self.judged)
 
 
 @dataclass
@@ -107,25 +154,54 @@ class _Ema:
 
 @dataclass
 class CostModelGamma(GammaPolicy):
-    """Choose gamma from Leviathan et al.'s cost model with online estimates (see module docstring)."""
+    """Choose gamma from Leviathan et al.'s cost model with online estimates (see module docstring).
+
+    Acceptance is estimated per draft position (the chance that draft i is kept given that drafts before
+    it were), as a hierarchy: a pool of recent requests gives the shape across positions and the starting
+    level; each request shifts that shape (in logit space) to its own overall acceptance and then corrects
+    each position with its own counts, each estimate worth ``prior_weight`` observations.
+    """
 
     max_gamma: int = 10
-    prior_acceptance: float = 0.7  # a prior worth `prior_weight` observations, so the first steps draft
+    prior_acceptance: float = 0.7  # before any request was seen; worth `prior_weight` observations
     prior_weight: float = 4.0
+    per_position: bool = True  # False: one iid acceptance rate, as in the papers' formula
+    pool_decay: float = 0.995  # per row-step: the pool follows the recent workload
     name: str = "auto"
     target_cost: dict[int, _Ema] = field(default_factory=dict)  # tokens scored -> seconds
     draft_cost: _Ema = field(default_factory=_Ema)  # seconds per draft token
-    accepted: float = 0.0
-    trials: float = 0.0  # accepted + rejection events: the MLE of a geometric acceptance with censoring
+    counts: PositionCounts = field(default_factory=PositionCounts)  # this request (row)
+    pool: PositionCounts = field(default_factory=PositionCounts)  # recent requests, shared by rows
     probe_every: int = 8  # while the model says "don't draft", still draft 1 token this often to re-measure
     _idle_steps: int = 0
 
     def reset(self) -> None:
-        self.accepted = self.trials = 0.0
+        self.counts = PositionCounts()  # a new object: the old one may be another row's
+
+    @property
+    def pool_acceptance(self) -> float:
+        kept, judged = self.pool.total()
+        return (kept + self.prior_acceptance * self.prior_weight) / (judged + self.prior_weight)
 
     @property
     def acceptance(self) -> float:
-        return (self.accepted + self.prior_acceptance * self.prior_weight) / (self.trials + self.prior_weight)
+        """This request's per-draft acceptance (censored geometric MLE, shrunk towards the pool's)."""
+        kept, judged = self.counts.total()
+        return (kept + self.pool_acceptance * self.prior_weight) / (judged + self.prior_weight)
+
+    def position_acceptance(self, n: int) -> list[float]:
+        """Estimated conditional acceptance of draft positions 0..n-1 for this request."""
+        w = self.prior_weight
+        shift = _logit(self.acceptance) - _logit(self.pool_acceptance)
+        pooled, out = self.pool_acceptance, []
+        for i in range(n):
+            if i < len(self.pool.judged):  # positions the pool never judged keep the previous estimate
+                pooled = (self.pool.kept[i] + pooled * w) / (self.pool.judged[i] + w)
+            base = _sigmoid(_logit(pooled) + shift)
+            if i < len(self.counts.judged):
+                base = (self.counts.kept[i] + base * w) / (self.counts.judged[i] + w)
+            out.append(base)
+        return out
 
     def _target_costs(self, max_gamma: int) -> list[float]:
         """Seconds to score g+1 tokens for g = 0..max_gamma: measured, else interpolated between measured
@@ -155,7 +231,8 @@ class CostModelGamma(GammaPolicy):
         if not self.target_cost or self.draft_cost.value is None:
             return min(max(1, round(self.max_gamma / 2)), max_gamma)  # measure something first
         costs = self._target_costs(max_gamma)
-        choice = best_gamma(self.acceptance, self.draft_cost.value, costs, max_gamma)
+        acceptance = self.position_acceptance(max_gamma) if self.per_position else self.acceptance
+        choice = best_gamma(acceptance, self.draft_cost.value, costs, max_gamma)
         if choice == 0 and max_gamma >= 1:
             self._idle_steps += 1
             if self._idle_steps >= self.probe_every:
@@ -169,7 +246,7 @@ class CostModelGamma(GammaPolicy):
         return choice
 
     def for_row(self) -> CostModelGamma:
-        row = copy.copy(self)  # shares the cost tables (machine-level), not the acceptance counts
+        row = copy.copy(self)  # shares the cost tables and the pool, not the request's acceptance counts
         row.reset()
         row._idle_steps = 0
         return row
@@ -180,5 +257,6 @@ class CostModelGamma(GammaPolicy):
         if draft_time_s is not None and gamma and sum(draft_lengths):
             self.draft_cost.add(draft_time_s / gamma)
         for n, length in zip(num_accepted, draft_lengths):
-            self.accepted += n
-            self.trials += n + (1 if n < length else 0)
+            if length:
+                self.counts.add(length, n)
+                self.pool.add(length, n, self.pool_decay)
