@@ -9,7 +9,7 @@ hits all methods alike:
   hf_assisted_best       the same with its best setting from a sweep on the completion prompts
   hf_generate_sample     transformers generate, temperature 0.7, top-p 0.95
   vs_target_alone        verispec, target alone (pre-packed linears), same loop and telemetry
-  vs_spec_greedy         verispec speculative, greedy, num_draft_tokens="auto", int8 draft
+  vs_spec_greedy         verispec speculative, greedy, num_draft_tokens="auto", int4 draft (--draft-bits)
   vs_spec_sample         verispec speculative sampling, temperature 0.7, top-p 0.95
 Then a draft-length sweep (fixed 1..8, auto, heuristic) on the completion prompts, and the forward costs
 T_target(m) / T_draft that Leviathan et al.'s formula needs. Writes results.json, RESULTS.md and
@@ -19,7 +19,6 @@ speedup_vs_gamma.png. Compare ratios, not absolute times: the machine is shared.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
@@ -33,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from costs import time_forward  # noqa: E402
 
 from verispec import SpeculativeDecoder, zoo  # noqa: E402
-from verispec.fast import prepack_linears, quantize_draft  # noqa: E402
-from verispec.gamma import expected_tokens  # noqa: E402
+from verispec.fast import prepack_linears, quantize_draft, shared_copy  # noqa: E402
+from verispec.gamma import expected_tokens, expected_tokens_by_position  # noqa: E402
 
 SAMPLE = dict(temperature=0.7, top_p=0.95)
 
@@ -51,25 +50,19 @@ def encode(tokenizer, prompt: dict) -> list[int]:
     return tokenizer(prompt["text"])["input_ids"]
 
 
-def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A new module tree sharing every parameter and buffer with ``model`` (no weight memory)."""
-    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    return copy.deepcopy(model, memo)
-
-
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.target, self.tokenizer = zoo.load(args.target, dtype="float32", progress=log)
         self.draft, draft_tokenizer = zoo.load(args.draft, dtype="float32", progress=log)
         assert self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
-        log("pre-packing a shared-weight copy of the target; quantising the draft to int8")
+        log(f"pre-packing a shared-weight copy of the target; quantising the draft to int{args.draft_bits}")
         self.packed_target = shared_copy(self.target)
         prepack_linears(self.packed_target)
-        self.int8_draft = quantize_draft(self.draft)
+        self.fast_draft = quantize_draft(self.draft, bits=args.draft_bits)
         self.eos = sorted({self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
                            self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
-        self.decoder = SpeculativeDecoder(self.packed_target, self.int8_draft, num_draft_tokens="auto",
+        self.decoder = SpeculativeDecoder(self.packed_target, self.fast_draft, num_draft_tokens="auto",
                                           vocab_size=len(self.tokenizer))
         self.hf_best = dict(num_assistant_tokens=5, num_assistant_tokens_schedule="constant",
                             assistant_confidence_threshold=0.0)
@@ -181,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-bits", type=int, choices=[4, 8], default=4, help="verispec's draft: int4 or int8")
     parser.add_argument("--sweep-repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
@@ -221,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     log("forward costs")
     context = encoded[0]
     t_target = time_forward(bench.packed_target, context, list(range(1, 10)), 5)
-    t_draft = time_forward(bench.int8_draft, context, [1], 5)[1]
+    t_draft = time_forward(bench.fast_draft, context, [1], 5)[1]
 
     table = summarise(records, names, kinds, args.repeats)
     results = {
@@ -230,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"torch {torch.__version__}, Python {platform.python_version()}",
         "settings": {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": len(prompts),
                      "sampling": SAMPLE, "target": args.target, "draft": args.draft,
-                     "target_numerics": "float32, linear layers pre-packed (oneDNN)", "draft_numerics": "int8 dynamic",
+                     "target_numerics": "float32, linear layers pre-packed (oneDNN)", "draft_numerics": f"int{args.draft_bits} weights",
                      "hf_numerics": "float32 target and draft, plain transformers"},
         "tokens_per_s": table,
         "hf_assisted_sweep": hf_sweep,
@@ -270,10 +264,10 @@ def telemetry(records, kinds) -> dict:
             drafted = sum(s["draft_tokens"] for s in rows)
             accepted = sum(s["accepted_tokens"] for s in rows)
             row_steps = sum(s["row_steps"] for s in rows)
-            rejections = sum(s["row_steps"] - s["accepted_length_histogram"][-1] for s in rows if s["accepted_length_histogram"])
+            judged = sum(sum(s["position_judged"]) for s in rows)
             out.setdefault(method, {})[kind] = {
                 "acceptance_rate": accepted / drafted if drafted else 0.0,
-                "per_token_acceptance_mle": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+                "per_token_acceptance_mle": accepted / judged if judged else 0.0,  # kept / judged drafts
                 "mean_accepted_length": accepted / row_steps if row_steps else 0.0,
                 "tokens_per_target_pass": sum(s["generated_tokens"] for s in rows) / row_steps if row_steps else 0.0,
                 "mean_gamma": statistics.mean(g for s in rows for g in s["gamma_history"]) if rows else 0.0,
@@ -282,21 +276,28 @@ def telemetry(records, kinds) -> dict:
 
 
 def predictions(records, kinds, t_target: dict, t_draft: float, table) -> dict:
-    """Leviathan et al.'s predicted speed-up over the target alone, from the measured per-token acceptance
-    and costs and the draft lengths actually used, next to the measured one."""
+    """Leviathan et al.'s predicted speed-up over the target alone, from the measured acceptance and costs
+    and the draft lengths actually used, next to the measured one. Two acceptance models: the papers' one
+    iid rate (the censored MLE: kept / judged drafts), and per-position conditional rates (runs of
+    acceptance; what verispec's auto policy uses)."""
     out = {}
     for kind in kinds + ["all"]:
         rows = [r["stats"] for r in records if r["method"] == "vs_spec_greedy" and (kind == "all" or r["kind"] == kind)]
-        accepted = sum(s["accepted_tokens"] for s in rows)
-        rejections = sum(s["row_steps"] - s["accepted_length_histogram"][-1] for s in rows if s["accepted_length_histogram"])
-        alpha = accepted / (accepted + rejections) if accepted + rejections else 0.0
+        width = max(len(s["position_judged"]) for s in rows)
+        kept = [sum(s["position_accepted"][j] for s in rows if j < len(s["position_accepted"])) for j in range(width)]
+        judged = [sum(s["position_judged"][j] for s in rows if j < len(s["position_judged"])) for j in range(width)]
+        alpha = sum(kept) / sum(judged) if sum(judged) else 0.0
+        by_position = [k / n if n else alpha for k, n in zip(kept, judged)]
         gammas = [g for s in rows for g in s["gamma_history"]]
-        tokens = sum(expected_tokens(alpha, g) for g in gammas)
         cost = sum(g * t_draft + t_target[min(g + 1, max(t_target))] for g in gammas)
-        predicted = (tokens / cost) * t_target[1]
+        iid = sum(expected_tokens(alpha, g) for g in gammas) / cost * t_target[1]
+        positional = sum(expected_tokens_by_position(by_position, g) for g in gammas) / cost * t_target[1]
         measured = table["vs_spec_greedy"][kind]["median"] / table["vs_target_alone"][kind]["median"]
-        out[kind] = {"alpha": alpha, "c": t_draft / t_target[1], "predicted_speedup_vs_target_alone": predicted,
-                     "measured_speedup_vs_target_alone": measured, "measured_over_predicted": measured / predicted}
+        out[kind] = {"alpha": alpha, "conditional_acceptance": by_position, "c": t_draft / t_target[1],
+                     "predicted_speedup_vs_target_alone": iid, "predicted_speedup_per_position": positional,
+                     "measured_speedup_vs_target_alone": measured, "measured_over_predicted": measured / iid,
+                     "measured_over_predicted_per_position": measured / positional,
+                     "mean_gamma": sum(gammas) / len(gammas) if gammas else 0.0}
     return out
 
 
@@ -325,13 +326,17 @@ def markdown(results: dict, kinds: list[str]) -> str:
             lines.append(f"| {method} | {kind} | {t['acceptance_rate']:.3f} | {t['per_token_acceptance_mle']:.3f} | "
                          f"{t['mean_accepted_length']:.2f} | {t['tokens_per_target_pass']:.2f} | {t['mean_gamma']:.2f} |")
     lines += ["", "Leviathan et al.'s formula vs measured (greedy, vs verispec target alone):", "",
-              "| kind | alpha | c | predicted | measured | measured/predicted |", "|---|---|---|---|---|---|"]
+              "| kind | alpha (iid) | conditional acceptance by position | c | mean gamma | predicted (iid) | "
+              "predicted (per position) | measured | measured / iid | measured / per position |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for kind, p in results["prediction"].items():
-        lines.append(f"| {kind} | {p['alpha']:.3f} | {p['c']:.3f} | {p['predicted_speedup_vs_target_alone']:.2f}x | "
-                     f"{p['measured_speedup_vs_target_alone']:.2f}x | {p['measured_over_predicted']:.2f} |")
+        lines.append(f"| {kind} | {p['alpha']:.3f} | {' '.join(f'{a:.2f}' for a in p['conditional_acceptance'])} | "
+                     f"{p['c']:.3f} | {p['mean_gamma']:.2f} | {p['predicted_speedup_vs_target_alone']:.2f}x | "
+                     f"{p['predicted_speedup_per_position']:.2f}x | {p['measured_speedup_vs_target_alone']:.2f}x | "
+                     f"{p['measured_over_predicted']:.2f} | {p['measured_over_predicted_per_position']:.2f} |")
     t = results["costs_s"]["target"]
     lines += ["", "Forward costs (s): target T(m) for m tokens scored: " +
-              ", ".join(f"{m}: {v:.3f}" for m, v in t.items()) + f"; int8 draft T(1): {results['costs_s']['draft']:.3f}",
+              ", ".join(f"{m}: {v:.3f}" for m, v in t.items()) + f"; draft ({results['settings']['draft_numerics']}) T(1): {results['costs_s']['draft']:.3f}",
               "", "Draft-length sweep on the completion prompts (speed-up vs verispec target alone):", "",
               "| policy | tokens/s | speed-up | acceptance |", "|---|---|---|---|"]
     for row in results["gamma_sweep"]:
@@ -358,7 +363,7 @@ def plot(gamma_sweep: list[dict], path: Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("draft length gamma")
     ax.set_ylabel("speed-up vs target alone (tokens/s ratio)")
-    ax.set_title("verispec greedy, Qwen2.5-Coder 1.5B + 0.5B int8 draft, CPU")
+    ax.set_title("verispec greedy, Qwen2.5-Coder 1.5B + 0.5B int4 draft, CPU")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -78,6 +78,8 @@ def test_quantised_drafts_keep_greedy_exact_and_mostly_agree(kind: str, bits: in
     target = pair(kind)[0]
     draft = quantize_draft(target, bits=bits)
     assert draft is not target and all(type(m) is nn.Linear for m in target.modules() if "Linear" in type(m).__name__)
+    # the copy shares what it did not quantise (no second full-precision model in memory)
+    assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
     reference = reference_greedy(target, prompt(6, 7), 16)
     out = SpeculativeDecoder(target, draft, num_draft_tokens=4).generate([prompt(6, 7)], max_new_tokens=16)
     assert out.tokens[0] == reference

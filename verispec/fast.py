@@ -114,9 +114,17 @@ def int4_supported(model: nn.Module, group_size: int = 64) -> bool:
     )
 
 
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A new module tree that shares every parameter and buffer with ``model`` (no weight memory), so that
+    swapping modules in the copy leaves ``model`` untouched."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
 @torch.no_grad()
 def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.Module:
-    """Quantise a draft's linear layers; returns a new module tree (``model`` is left as is).
+    """Quantise a draft's linear layers; returns a new module tree (``model`` is left as is; the copy shares
+    its unquantised weights, e.g. the embedding, so peak memory stays at one full-precision copy).
 
     ``bits=8``: torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
     ``bits=4``: weight-only int4 in groups of ``group_size`` (:class:`Int4Linear`), CPU only.
@@ -127,12 +135,12 @@ def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.
 
         with warnings.catch_warnings():  # torch.ao's eager quantisation is deprecated in favour of torchao, which
             warnings.simplefilter("ignore")  # is not installed here; it still works in torch 2.13
-            return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=False)
+            return quantize_dynamic(shared_copy(model), {nn.Linear}, dtype=torch.qint8, inplace=True)
     if bits != 4:
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     if not int4_supported(model, group_size):
         raise ValueError(f"int4 drafts need a CPU model whose linear input sizes are multiples of {group_size}")
-    quantized = copy.deepcopy(model)
+    quantized = shared_copy(model)
     for parent in list(quantized.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
@@ -140,4 +148,5 @@ def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.
     return quantized
 
 
-__all__ = ["Int4Linear", "PackedLinear", "int4_supported", "packing_supported", "prepack_linears", "quantize_draft"]
+__all__ = ["Int4Linear", "PackedLinear", "int4_supported", "packing_supported", "prepack_linears", "quantize_draft",
+           "shared_copy"]

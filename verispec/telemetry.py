@@ -24,6 +24,7 @@ class GenerationStats:
     accepted_length_histogram: list[int] = field(default_factory=list)  # [n] = row steps that kept n drafts
     position_proposed: list[int] = field(default_factory=list)  # [j] = drafts proposed at block position j
     position_accepted: list[int] = field(default_factory=list)  # [j] = drafts kept at block position j
+    position_judged: list[int] = field(default_factory=list)  # [j] = drafts at j whose predecessors were all kept
     gamma_history: list[int] = field(default_factory=list)  # draft length used at each step
     row_draft_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts proposed
     row_accepted_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts kept
@@ -48,6 +49,7 @@ class GenerationStats:
         _grow(self.accepted_length_histogram, gamma + 1)
         _grow(self.position_proposed, gamma)
         _grow(self.position_accepted, gamma)
+        _grow(self.position_judged, gamma)
         for row, length, accepted in zip(rows, draft_lengths, num_accepted):
             if row < len(self.row_target_passes):  # per-row lists exist for generate(), not for the engine
                 self.row_draft_tokens[row] += length
@@ -60,6 +62,8 @@ class GenerationStats:
                 self.position_proposed[j] += 1
             for j in range(accepted):
                 self.position_accepted[j] += 1
+            for j in range(min(accepted + 1, length)):
+                self.position_judged[j] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -70,6 +74,19 @@ class GenerationStats:
     def per_position_acceptance(self) -> list[float]:
         """[j] = P(draft at block position j kept | it was proposed)."""
         return [a / p if p else 0.0 for a, p in zip(self.position_accepted, self.position_proposed)]
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        """[j] = P(draft at block position j kept | every draft before it was kept): the per-position rates
+        that the cost model (``verispec.gamma``) uses. Drafts after a rejection are never judged."""
+        return [a / n if n else 0.0 for a, n in zip(self.position_accepted, self.position_judged)]
+
+    @property
+    def iid_acceptance(self) -> float:
+        """One per-draft acceptance rate, as in Leviathan et al.'s formula: the censored geometric MLE, kept
+        drafts over judged drafts (``acceptance_rate`` divides by proposed drafts and so underestimates it)."""
+        judged = sum(self.position_judged)
+        return sum(self.position_accepted) / judged if judged else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -90,6 +107,8 @@ class GenerationStats:
         out.update(
             acceptance_rate=self.acceptance_rate,
             per_position_acceptance=self.per_position_acceptance,
+            conditional_acceptance=self.conditional_acceptance,
+            iid_acceptance=self.iid_acceptance,
             mean_accepted_length=self.mean_accepted_length,
             tokens_per_row_step=self.tokens_per_row_step,
             tokens_per_second=self.tokens_per_second,
