@@ -196,6 +196,30 @@ def int8_draft(kind: str):
     return quantize_draft(pair(kind)[0])
 
 
+class ConfidentDrafter(ModelDrafter):
+    """A ModelDrafter with fixed per-row early-stop thresholds (row b gets ``thresholds[b % len]``), whatever
+    the decoder sets: to test the early-stop path on its own."""
+
+    def __init__(self, model, thresholds: list[float]) -> None:
+        super().__init__(model)
+        self.thresholds = thresholds
+        self.short_blocks = 0
+
+    @property
+    def stop_below(self) -> list[float]:  # type: ignore[override]
+        return [self.thresholds[b % len(self.thresholds)] for b in range(len(self.pending))]
+
+    @stop_below.setter
+    def stop_below(self, value) -> None:
+        pass
+
+    def propose(self, num_draft_tokens: int, uniforms) -> Proposal:
+        proposal = super().propose(num_draft_tokens, uniforms)
+        if proposal.draft_lengths is not None:
+            self.short_blocks += int((proposal.draft_lengths < num_draft_tokens).sum())
+        return proposal
+
+
 def make_drafter(name: str, kind: str):
     """A Drafter, or a draft model the decoder wraps in a ModelDrafter."""
     target, partial, _ = pair(kind)
@@ -211,13 +235,15 @@ def make_drafter(name: str, kind: str):
         return CompositeDrafter(NGramDrafter(), EarlyExitDrafter(target, 1))
     if name == "int8":
         return int8_draft(kind)
+    if name == "model_early_stop":  # random tiny models are unsure (top probability ~0.01): thresholds to match
+        return ConfidentDrafter(partial, [1.0, 1e-4, 0.0])
     raise ValueError(name)
 
 
 # (block length, seed) per row: mixed prompt lengths 7, 12 and 20. The target's greedy text on these prompts falls
 # into repeats that prompt lookup finds (asserted below: a lookup nothing ever accepts would test nothing).
 EXACTNESS_ROWS = [(3, 63), (5, 40), (8, 42)]
-DRAFTERS = ("model", "ngram", "early_exit", "composite", "composite_early_exit", "int8")
+DRAFTERS = ("model", "ngram", "early_exit", "composite", "composite_early_exit", "int8", "model_early_stop")
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
@@ -242,6 +268,30 @@ def test_every_drafter_is_exact_under_greedy(kind: str, name: str, batch_size: i
         assert draft.fallback.calls > 0  # ...and so was the model
     if name == "int8":
         assert out.stats.acceptance_rate > 0.5
+    if name == "model_early_stop":
+        assert draft.short_blocks > 0  # blocks were cut short (row 0 always, after its first draft)
+
+
+def test_early_stop_cuts_each_row_at_its_own_threshold() -> None:
+    target, partial, _ = pair("llama")
+    drafter = ConfidentDrafter(partial, [1.0, 1e-30, 0.0])
+    prompts = [prompt(5, 1), prompt(7, 2), prompt(6, 3)]
+    drafter.start(prompts, SamplingParams(), 512)
+    proposal = drafter.propose(4, None)
+    # Row 0 stops after its first draft (no probability reaches 1); rows 1 and 2 draft all 4. Rows 1 and 2 keep
+    # the drafting going, so the proposal has all 4 columns, and row 0's extra columns are filler.
+    assert proposal.draft_lengths.tolist() == [1, 4, 4] and proposal.draft_ids.shape == (3, 4)
+    # The drafts themselves are the plain greedy drafts: stopping never changes what was proposed.
+    plain = ModelDrafter(partial)
+    plain.start(prompts, SamplingParams(), 512)
+    assert torch.equal(plain.propose(4, None).draft_ids[1:], proposal.draft_ids[1:])
+    # Every row stopped: no further draft passes.
+    alone = ConfidentDrafter(partial, [1.0])
+    alone.start(prompts, SamplingParams(), 512)
+    calls = alone.calls
+    out = alone.propose(4, None)
+    assert out.draft_ids.shape == (3, 1) and out.draft_lengths.tolist() == [1, 1, 1]
+    assert alone.calls - calls == 1
 
 
 # --- The composite keeps its fallback in step -------------------------------------------------------------------
@@ -441,17 +491,24 @@ def _chi_square_p(observed: np.ndarray, law: np.ndarray) -> float:
 @pytest.mark.parametrize(
     "settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)]
 )
-@pytest.mark.parametrize("name", ["ngram", "composite"])
+@pytest.mark.parametrize("name", ["ngram", "composite", "model_early_stop"])
 def test_sampled_tokens_follow_the_target_law(name: str, settings) -> None:
     target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
     draft = build("qwen2", seed=4, vocab_size=SMALL_VOCAB)  # unrelated: many rejections and resamples
-    drafter = NGramDrafter() if name == "ngram" else CompositeDrafter(NGramDrafter(), ModelDrafter(draft))
+    drafters = {"ngram": lambda: NGramDrafter(),
+                "composite": lambda: CompositeDrafter(NGramDrafter(), ModelDrafter(draft)),
+                # rows stop a block once the draft's probability of it is below their threshold: rarely,
+                # sometimes, often (blocks here are at most 2 tokens, so only the first token can end one)
+                "model_early_stop": lambda: ConfidentDrafter(draft, [0.05, 0.3, 0.6])}
+    drafter = drafters[name]()
     params = SamplingParams(**settings)
     prompts = [CONTEXTS[0]] * ROWS_PER_CONTEXT + [CONTEXTS[1]] * ROWS_PER_CONTEXT
     out = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3).generate(
         prompts, max_new_tokens=NEW, seed=11, **settings
     )
     assert out.stats.draft_tokens > ROWS_PER_CONTEXT  # lookup proposed (context A, first step: 2 tokens a row)
+    if name == "model_early_stop":  # blocks were cut short, and not always
+        assert drafter.short_blocks > 0 and 0 < out.stats.position_proposed[1] < out.stats.position_proposed[0]
     assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate  # both branches exercised
     if name == "composite":
         assert drafter.lookup_rows >= ROWS_PER_CONTEXT and drafter.fallback.calls > 0

@@ -366,3 +366,47 @@ def test_decoder_accepts_a_policy_instance_and_per_call_override() -> None:
     fixed = decoder.generate([prompt(5, 1)], max_new_tokens=25, num_draft_tokens=1)
     assert fixed.tokens == out.tokens
     assert 1 in fixed.stats.gamma_history and set(fixed.stats.gamma_history) <= {0, 1}  # 0: budget of 1 left
+
+
+# --- Early stops: the threshold the cost model sets -------------------------------------------------------------
+
+
+def test_stop_threshold_is_draft_cost_over_seconds_per_token() -> None:
+    policy = CostModelGamma(per_position=False)
+    assert policy.stop_threshold(4) == 0.0  # nothing measured: never stop
+    policy.observe(4, [4] * 8, [4, 4, 4, 3, 2, 4, 1, 4], draft_time_s=0.4, target_time_s=1.2)
+    a = policy.acceptance
+    seconds_per_token = (4 * 0.1 + 1.2) / expected_tokens(a, 4)
+    assert math.isclose(policy.stop_threshold(4), 0.1 / seconds_per_token, rel_tol=1e-12)
+    assert policy.stop_threshold(0) == 0.0
+    expensive = CostModelGamma(per_position=False)
+    expensive.observe(1, [1], [1], draft_time_s=50.0, target_time_s=1.0)
+    assert expensive.stop_threshold(1) == 1.0  # capped: a probability
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_decoder_with_early_stops_is_exact_and_seeded_sampling_reproducible(kind: str) -> None:
+    target, partial, _ = pair(kind)
+    decoder = SpeculativeDecoder(target, partial, num_draft_tokens="auto", stop_drafting=True)
+    seen: list[list[float] | None] = []  # the thresholds the decoder set before each proposal
+    propose = decoder.drafter.propose
+
+    def spy(num_draft_tokens, uniforms):
+        seen.append(None if decoder.drafter.stop_below is None else list(decoder.drafter.stop_below))
+        return propose(num_draft_tokens, uniforms)
+
+    decoder.drafter.propose = spy
+    prompts = [prompt(6, 7), prompt(3, 8)]
+    decoder.generate(prompts, max_new_tokens=8)  # measure costs: the threshold needs them
+    seen.clear()
+    out = decoder.generate(prompts, max_new_tokens=30)
+    assert out.tokens == [reference_greedy(target, p, 30) for p in prompts]
+    assert seen and all(s is not None for s in seen) and max(max(s) for s in seen) > 0
+    seen.clear()
+    first = decoder.generate(prompts, max_new_tokens=12, temperature=0.8, seed=5)
+    again = decoder.generate(prompts, max_new_tokens=12, temperature=0.8, seed=5)
+    assert first.tokens == again.tokens
+    assert seen and {t for s in seen for t in s} == {0.0}  # seeded rows: no timing-dependent stops
+    seen.clear()
+    plain = decoder.generate(prompts, max_new_tokens=12, stop_drafting=False)
+    assert seen and all(s is None for s in seen) and plain.tokens == [t[:12] for t in out.tokens]

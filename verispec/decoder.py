@@ -102,8 +102,10 @@ class SpeculativeDecoder:
         *,
         drafter: Drafter | None = None,
         vocab_size: int | None = None,
+        stop_drafting: bool = False,
     ) -> None:
         self.gamma_policy = make_gamma_policy(num_draft_tokens)
+        self.stop_drafting = stop_drafting
         if draft_model is not None and drafter is not None:
             raise ValueError("pass either draft_model or drafter, not both")
         self.target_model = target_model.eval()
@@ -144,6 +146,7 @@ class SpeculativeDecoder:
         *,
         draft: PreTrainedModel | Drafter | None | object = _USE_DECODER_DRAFT,
         num_draft_tokens: int | str | GammaPolicy | None = None,
+        stop_drafting: bool | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
@@ -154,7 +157,9 @@ class SpeculativeDecoder:
         ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted.
         ``seed`` makes sampling reproducible (same seed, same tokens; with ``num_draft_tokens="auto"`` a
         seeded sampling call uses the timing-free "heuristic" schedule, since timings are not reproducible);
-        the global RNG is never used.
+        the global RNG is never used. ``stop_drafting`` (per call, else the decoder's setting): with
+        ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's own
+        probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
         """
         sampling = SamplingParams(temperature, top_k, top_p)
         prompts = self._prompts(input_ids, attention_mask)
@@ -195,7 +200,8 @@ class SpeculativeDecoder:
             for b, prompt in enumerate(prompts)
         ]
         start = time.perf_counter()
-        batch = DecodeBatch(self, drafter, cost_policy, stats)
+        stop = self.stop_drafting if stop_drafting is None else stop_drafting
+        batch = DecodeBatch(self, drafter, cost_policy, stats, stop_drafting=stop)
         batch.add(rows)
         while batch.rows:
             batch.step()
@@ -302,8 +308,9 @@ class DecodeBatch:
     """
 
     def __init__(self, decoder: SpeculativeDecoder, drafter: Drafter | None, cost_policy: GammaPolicy,
-                 stats: GenerationStats | None = None) -> None:
+                 stats: GenerationStats | None = None, stop_drafting: bool = False) -> None:
         self.decoder, self.target, self.drafter, self.cost_policy = decoder, decoder.target, drafter, cost_policy
+        self.stop_drafting = stop_drafting
         self.device = decoder.device
         self.vocab_size = decoder.vocab_size
         self.stats = stats if stats is not None else GenerationStats(num_draft_tokens=cost_policy.name)
@@ -399,6 +406,12 @@ class DecodeBatch:
             for row in self.rows
         ]
         gamma = max(row_gammas)
+        if self.drafter is not None:
+            # Early stops only for rows under the cost model: a seeded row's block ends must not depend on timings.
+            self.drafter.stop_below = [
+                row.policy.stop_threshold(g) if self.stop_drafting and isinstance(row.policy, CostModelGamma) else 0.0
+                for row, g in zip(self.rows, row_gammas)
+            ] if self.stop_drafting else None
         uniforms = self._uniforms(gamma, row_gammas)
         draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
         proposal = self._propose(gamma, uniforms)

@@ -38,6 +38,10 @@ class Drafter(ABC):
     needs_uniforms: bool = True
     #: draft forward passes run so far (for telemetry)
     calls: int = 0
+    #: per row, set by the decoder before ``propose``: a drafter that knows its own confidence stops a row's
+    #: block once the probability it gives the block so far falls below this (0 or None: never). Any
+    #: stopping rule that looks only at the draft keeps the output exact.
+    stop_below: list[float] | None = None
 
     @abstractmethod
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
@@ -141,6 +145,11 @@ class ModelDrafter(Drafter):
         device = self.lm.device
         draft_ids, draft_probs = [], []
         nonfinite = torch.zeros(len(self.pending), dtype=torch.bool, device=device)
+        stop_below = None
+        if self.stop_below is not None and any(self.stop_below):
+            stop_below = torch.tensor(self.stop_below, dtype=torch.float32, device=device)  # [B]
+            survive = torch.ones(len(self.pending), device=device)  # [B] draft's probability of the block so far
+            lengths = torch.full((len(self.pending),), k, dtype=torch.long, device=device)  # [B]
         logits = self.lm.forward(ids, mask, positions, 1)[:, -1, : self.vocab_size]  # [B, V]
         self.calls += 1
         for j in range(k):
@@ -159,10 +168,26 @@ class ModelDrafter(Drafter):
                 probs = row_probs(logits, self.params)  # [B, V]
                 draft_probs.append(probs)
                 draft_ids.append(sample_from_probs(probs, uniforms[:, j]))
-        self._fed_drafts = k - 1  # the last draft token is not fed until the next proposal
+            if stop_below is not None and j < k - 1:
+                if draft_probs:  # greedy rows hold one-hot rows here: use the softmax for their confidence
+                    chosen = draft_probs[-1].gather(1, draft_ids[-1][:, None]).squeeze(1)  # [B]
+                    greedy = torch.tensor([p.greedy for p in self.params], device=device)
+                    if greedy.any():
+                        soft = torch.softmax(logits.float(), dim=-1).gather(1, draft_ids[-1][:, None]).squeeze(1)
+                        chosen = torch.where(greedy, soft, chosen)
+                else:
+                    chosen = torch.softmax(logits.float(), dim=-1).gather(1, draft_ids[-1][:, None]).squeeze(1)
+                survive = survive * chosen
+                stopping = (survive < stop_below) & (lengths == k)  # [B] rows that stop after this token
+                lengths = torch.where(stopping, j + 1, lengths)
+                if bool((lengths < k).all()):  # every row stopped: no more draft passes this step
+                    break
+        drafted = len(draft_ids)
+        self._fed_drafts = drafted - 1  # the last draft token is not fed until the next proposal
         return Proposal(
-            draft_ids=torch.stack(draft_ids, dim=1),  # [B, k]
-            draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, k, V]
+            draft_ids=torch.stack(draft_ids, dim=1),  # [B, drafted]
+            draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, drafted, V]
+            draft_lengths=None if stop_below is None else lengths.clamp(max=drafted),
             nonfinite_rows=nonfinite,
         )
 

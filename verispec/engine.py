@@ -154,7 +154,7 @@ class Engine:
 
     def _new_batch(self) -> DecodeBatch:
         decoder = self.decoder
-        return DecodeBatch(decoder, decoder.drafter, decoder.gamma_policy)
+        return DecodeBatch(decoder, decoder.drafter, decoder.gamma_policy, stop_drafting=decoder.stop_drafting)
 
     def _loop(self) -> None:
         while True:

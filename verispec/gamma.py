@@ -245,6 +245,19 @@ class CostModelGamma(GammaPolicy):
                 return g
         return choice
 
+    def stop_threshold(self, gamma: int) -> float:
+        """Where a confidence-aware drafter should stop a row's block early: once the draft's own probability
+        of the block so far falls below ``t_draft / (seconds per emitted token at this gamma)``. Another draft
+        token costs ``t_draft``; it can only pay if the block survives to it, which the draft believes with
+        that probability, and a token is worth what the decoder currently spends per token. 0 = never stop
+        (nothing measured yet)."""
+        if gamma < 1 or self.draft_cost.value is None or not self.target_cost:
+            return 0.0
+        costs = self._target_costs(gamma)
+        acceptance = self.position_acceptance(gamma) if self.per_position else [self.acceptance] * gamma
+        seconds_per_token = (gamma * self.draft_cost.value + costs[gamma]) / expected_tokens_by_position(acceptance, gamma)
+        return min(self.draft_cost.value / seconds_per_token, 1.0)
+
     def for_row(self) -> CostModelGamma:
         row = copy.copy(self)  # shares the cost tables and the pool, not the request's acceptance counts
         row.reset()
