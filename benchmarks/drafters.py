@@ -5,7 +5,7 @@
 Real pair (Qwen2.5-Coder 1.5B fp32 target, pre-packed): target alone, 0.5B int4 and int8 drafts, n-gram
 prompt lookup, composite (lookup, else the 0.5B int4 draft), early exit (first layers of the target), int8
 copy of the target; all with num_draft_tokens="auto". Then, per workload, the draft-length sweep with the
-0.5B int4 draft: fixed 1..8, transformers' heuristic, auto, interleaved per prompt, median of --repeats. Real single model (SmolLM2-135M): target alone, n-gram,
+0.5B int4 draft: fixed 1..12, transformers' heuristic, auto, interleaved per prompt, median of --repeats. Real single model (SmolLM2-135M): target alone, n-gram,
 early exit, int8 self-draft. Greedy throughout. Writes drafters.json and DRAFTERS.md.
 """
 
@@ -57,7 +57,8 @@ def compare(decoder, drafters: dict, groups, n, eos) -> dict:
         alone = measure(decoder, prompts, n, eos, draft=None)
         results[kind] = {"alone": {"tokens_per_s": alone["tokens_per_s"], "speedup": 1.0, "acceptance": 0.0}}
         for name, drafter in drafters.items():
-            m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens="auto")
+            drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {})
+            m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens="auto", **options)
             assert m["outputs"] == alone["outputs"], f"{name} changed the greedy output on {kind}"
             results[kind][name] = {"tokens_per_s": m["tokens_per_s"], "acceptance": m["acceptance"],
                                    "speedup": m["tokens_per_s"] / alone["tokens_per_s"]}
@@ -65,7 +66,7 @@ def compare(decoder, drafters: dict, groups, n, eos) -> dict:
     return results
 
 
-POLICIES = [1, 2, 3, 4, 5, 6, 7, 8, "heuristic", "auto"]
+POLICIES = [1, 2, 3, 4, 5, 6, 8, 10, 12, "heuristic", "auto"]
 
 
 def sweep(decoder, drafter, groups, n, eos, repeats: int) -> dict:
@@ -125,6 +126,8 @@ def main(argv=None) -> int:
     decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
     drafters = {
         "draft_0.5b_int4": ModelDrafter(int4_draft),
+        # the same draft, stopping a block early once its own confidence is below the cost model's threshold
+        "draft_0.5b_int4_stop": (ModelDrafter(int4_draft), {"stop_drafting": True}),
         "draft_0.5b_int8": ModelDrafter(int8_draft),
         "ngram": NGramDrafter(),
         "composite_ngram_0.5b": CompositeDrafter(NGramDrafter(), ModelDrafter(int4_draft)),
@@ -177,7 +180,7 @@ def markdown(report: dict) -> str:
         table = report.get(key)
         if not table:
             continue
-        policies = ["1", "2", "3", "4", "5", "6", "7", "8", "heuristic", "auto"]
+        policies = [str(p) for p in POLICIES]
         lines += [f"## {title} (tokens/s)", "", "| workload | " + " | ".join(policies) +
                   " | best fixed | auto / best fixed | heuristic / best fixed |", "|---" * (len(policies) + 4) + "|"]
         for kind, row in table.items():

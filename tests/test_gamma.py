@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 from tiny_models import pair, prompt, reference_greedy
 
-from verispec import SpeculativeDecoder
+from verispec import NGramDrafter, SpeculativeDecoder
 from verispec.gamma import (
     CostModelGamma,
     FixedGamma,
@@ -228,6 +228,37 @@ def test_cost_model_that_says_dont_draft_still_probes_now_and_then() -> None:
     choices = [policy.choose(100) for _ in range(24)]
     assert choices == ([0] * 7 + [1]) * 3
     assert policy.choose(0) == 0  # no budget for drafts: no probe either
+
+
+def test_cost_model_remeasures_its_neighbours_now_and_then() -> None:
+    policy = CostModelGamma(max_gamma=10, refresh_every=4, prior_acceptance=0.8)
+    for m in range(1, 12):  # every size measured: flat target costs, free drafts -> the longest draft wins
+        policy.observe(m - 1, [m - 1], [m - 1], draft_time_s=0.0, target_time_s=1.0)
+    policy.target_cost[11].value = 1.5  # one bad measurement of the longest size...
+    choice = best_gamma(policy.position_acceptance(10), policy.draft_cost.value, policy._target_costs(10), 10)
+    assert choice == 9
+    choices = [policy.choose(100) for _ in range(16)]
+    # ...is re-measured: every 4th step drafts one more, then one fewer, than the model's choice
+    assert choices == [9, 9, 9, 10, 9, 9, 9, 8] * 2
+
+
+def test_each_drafter_gets_its_own_cost_model_sharing_the_target_costs() -> None:
+    target, partial, _ = pair("qwen2")
+    decoder = SpeculativeDecoder(target, partial, num_draft_tokens="auto")
+    decoder.generate([prompt(5, 1)], max_new_tokens=10)
+    lookup = NGramDrafter()
+    decoder.generate([prompt(5, 1)], max_new_tokens=10, draft=lookup)
+    own, other = decoder._auto_policy, decoder._auto_for(lookup)
+    assert other is not own and other is decoder._auto_for(lookup)  # one per drafter, kept across calls
+    assert other.target_cost is own.target_cost  # the machine's costs are shared...
+    assert other.draft_cost is not own.draft_cost and other.pool is not own.pool  # ...the draft's are not
+    assert decoder._auto_for(partial) is own  # the decoder's own draft model, passed again
+    assert decoder._auto_for(pair("llama")[1]) is not own  # another model passed per call is another draft
+    del lookup
+    import gc
+
+    gc.collect()
+    assert len(decoder._drafter_policies) == 1  # a dropped drafter frees its entry (the cached model's remains)
 
 
 def test_cost_model_reset_forgets_the_request_but_keeps_costs_and_the_pool() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -120,6 +121,20 @@ class SpeculativeDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.target = CachedLM(target_model)
         self._auto_policy = self.gamma_policy if isinstance(self.gamma_policy, CostModelGamma) else CostModelGamma()
+        # Drafts passed per call get their own cost model (their cost and acceptance are not the default
+        # draft's), sharing the target's measured costs; keyed weakly so a dropped draft frees its entry.
+        self._drafter_policies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _auto_for(self, draft: object) -> CostModelGamma:
+        """The cost model for ``draft`` (a call's ``draft`` argument): the decoder's own for its own draft."""
+        if draft is _USE_DECODER_DRAFT or draft is None or draft is self.drafter:
+            return self._auto_policy
+        if draft is getattr(self.drafter, "model", None):  # the decoder's own draft model, passed again
+            return self._auto_policy
+        policy = self._drafter_policies.get(draft)
+        if policy is None:
+            policy = self._drafter_policies[draft] = self._auto_policy.for_drafter()
+        return policy
 
     def _model_drafter(self, draft_model: PreTrainedModel, vocab_size: int | None) -> ModelDrafter:
         draft_device = model_device(draft_model)
@@ -167,8 +182,8 @@ class SpeculativeDecoder:
             raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
         eos_ids = self._eos_ids(eos_token_id)
         policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
-        if num_draft_tokens == "auto":
-            policy = self._auto_policy  # costs measured by earlier calls stay valid
+        if num_draft_tokens == "auto" or (num_draft_tokens is None and policy is self._auto_policy):
+            policy = self._auto_for(draft)  # costs measured by earlier calls stay valid
         if isinstance(policy, CostModelGamma) and seed is not None and not sampling.greedy:
             # The cost model's choices depend on measured timings, and with rejection sampling the tokens
             # depend on where blocks end: a seed must reproduce tokens, so use a timing-free schedule.

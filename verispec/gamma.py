@@ -15,6 +15,7 @@ Policies only choose lengths; exactness never depends on them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -162,7 +163,7 @@ class CostModelGamma(GammaPolicy):
     each position with its own counts, each estimate worth ``prior_weight`` observations.
     """
 
-    max_gamma: int = 10
+    max_gamma: int = 12
     prior_acceptance: float = 0.7  # before any request was seen; worth `prior_weight` observations
     prior_weight: float = 4.0
     per_position: bool = True  # False: one iid acceptance rate, as in the papers' formula
@@ -173,7 +174,10 @@ class CostModelGamma(GammaPolicy):
     counts: PositionCounts = field(default_factory=PositionCounts)  # this request (row)
     pool: PositionCounts = field(default_factory=PositionCounts)  # recent requests, shared by rows
     probe_every: int = 8  # while the model says "don't draft", still draft 1 token this often to re-measure
+    refresh_every: int = 12  # every this many steps, draft one more or one fewer (alternately) than chosen:
+    # one noisy measurement of a neighbour's cost must not decide every later choice
     _idle_steps: int = 0
+    _steps: int = 0
 
     def reset(self) -> None:
         self.counts = PositionCounts()  # a new object: the old one may be another row's
@@ -243,7 +247,18 @@ class CostModelGamma(GammaPolicy):
         for g in (choice + 1, choice - 1):
             if 0 <= g <= max_gamma and (g + 1) not in self.target_cost:
                 return g
+        self._steps += 1
+        if self.refresh_every and self._steps % self.refresh_every == 0:
+            g = choice + 1 if (self._steps // self.refresh_every) % 2 else choice - 1
+            if 1 <= g <= max_gamma:
+                return g
         return choice
+
+    def for_drafter(self) -> CostModelGamma:
+        """A policy for another drafter on the same target: it shares this one's target cost table (the
+        machine's) but learns its own draft cost and acceptance."""
+        return dataclasses.replace(self, target_cost=self.target_cost, draft_cost=_Ema(), counts=PositionCounts(),
+                                   pool=PositionCounts(), _idle_steps=0, _steps=0)
 
     def stop_threshold(self, gamma: int) -> float:
         """Where a confidence-aware drafter should stop a row's block early: once the draft's own probability
@@ -261,7 +276,7 @@ class CostModelGamma(GammaPolicy):
     def for_row(self) -> CostModelGamma:
         row = copy.copy(self)  # shares the cost tables and the pool, not the request's acceptance counts
         row.reset()
-        row._idle_steps = 0
+        row._idle_steps = row._steps = 0
         return row
 
     def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
