@@ -2,7 +2,7 @@
 
     python benchmarks/serve.py [--concurrency 1,4,16] [--requests-per-client 3] [--max-tokens 48] [--out benchmarks]
 
-One process loads the real pair once (target pre-packed, draft int8, as ``verispec serve`` does) and serves the
+One process loads the real pair once (target pre-packed, draft int4, as ``verispec serve`` does) and serves the
 same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
 (the same engine, no drafter, sharing the target's weights). Each client sends streamed greedy completions of
 the prompts in ``prompts.json`` one after another; per request it records the time to the first text, the time
