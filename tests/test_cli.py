@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from verispec.cli import main
+from verispec.cli import build_parser, main
 
 WORDS = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print hello world".split()
 
@@ -70,6 +70,16 @@ def test_draft_quantisation_choices_keep_the_output(models, capsys, quant, messa
     code, out, _ = run(capsys, *common, "--draft", models["draft"], "--draft-quant", quant)
     code, alone, _ = run(capsys, *common, "--draft", "none")
     assert json.loads(out)["tokens"] == json.loads(alone)["tokens"]
+
+
+def test_stop_drafting_flag_keeps_the_output(models, capsys) -> None:
+    common = ["generate", "--target", models["target"], "--prompt", "def x ( y ) :", "--max-new-tokens", "12", "--json"]
+    code, out, _ = run(capsys, *common, "--draft", models["draft"], "--stop-drafting")
+    assert code == 0
+    code, alone, _ = run(capsys, *common, "--draft", "none")
+    assert json.loads(out)["tokens"] == json.loads(alone)["tokens"]
+    assert build_parser().parse_args(["serve", "--stop-drafting"]).stop_drafting
+    assert not build_parser().parse_args(["generate"]).stop_drafting  # off unless asked
 
 
 def test_generate_streams_text_and_reports(models, capsys) -> None:

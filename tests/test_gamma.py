@@ -148,8 +148,9 @@ class World:
         return best_gamma(self.acceptance, self.draft_cost, costs, max_gamma)
 
     def step(self, policy, rng: random.Random, rows: int = 32) -> int:
-        """One decode step: the policy chooses, each row keeps a geometric number of drafts, costs carry 1% noise."""
-        gamma = policy.choose(100)
+        """One decode step of a batch of ``rows``: the policy chooses, each row keeps a geometric number of drafts,
+        costs carry 1% noise. (``target_cost(m)`` is this world's cost of scoring m tokens in every row.)"""
+        gamma = policy.choose(100, rows)
         kept = []
         for _ in range(rows):
             n = 0
@@ -200,9 +201,48 @@ def test_cost_model_converges_to_the_best_gamma(world: World, seed: int) -> None
     # and then to re-measure, hence the mode rather than every choice).
     assert collections.Counter(choices[-100:]).most_common(1)[0][0] == best, (best, choices[-30:])
     # It measured the size it settled on and probed past it (unless capped).
-    assert best + 1 in policy.target_cost
-    assert best == 10 or best + 2 in policy.target_cost
+    assert 32 * (best + 1) in policy.target_cost  # keyed by tokens scored in the pass: 32 rows
+    assert best == 10 or 32 * (best + 2) in policy.target_cost
     assert len(set(choices)) > 1
+
+
+def test_cost_model_knows_drafts_that_pay_alone_do_not_pay_in_a_large_batch() -> None:
+    """A compute-bound target: a pass costs by the tokens it scores over all rows, so a batch of 16 pays 16x
+    for every extra draft position. One policy, shared across batch sizes, must draft at batch 1 and not at 16."""
+    acceptance = 0.7
+
+    def target_cost(tokens: int) -> float:
+        return 1.0 + 0.2 * tokens
+
+    def draft_cost(rows: int) -> float:  # per draft token (one draft pass over the batch)
+        return 0.02 + 0.01 * rows
+
+    def rate(rows: int, g: int) -> float:  # tokens per second per row, under the true parameters
+        return expected_tokens(acceptance, g) / (g * draft_cost(rows) + target_cost(rows * (g + 1)))
+
+    def best(rows: int) -> int:
+        return max(range(11), key=lambda g: rate(rows, g))
+
+    assert best(1) >= 2 and best(16) == 0 and rate(1, best(1)) > 1.1 * rate(1, 0)
+    rng = random.Random(3)
+    policy = CostModelGamma(max_gamma=10)
+
+    def step(rows: int) -> int:
+        gamma = policy.choose(100, rows)
+        kept = []
+        for _ in range(rows):
+            n = 0
+            while n < gamma and rng.random() < acceptance:
+                n += 1
+            kept.append(n)
+        policy.observe(gamma, [gamma] * rows, kept, gamma * draft_cost(rows), target_cost(rows * (gamma + 1)))
+        return gamma
+
+    for rows in (1, 16, 1, 16):  # alternating phases: what was learnt at one size must not leak into the other
+        choices = [step(rows) for _ in range(200)]
+        settled = collections.Counter(choices[-60:]).most_common(1)[0][0]
+        # optima are flat (neighbours within a few %): judge the rate, not the exact choice
+        assert rate(rows, settled) > 0.98 * rate(rows, best(rows)), (rows, choices[-30:])
 
 
 def test_cost_model_first_measures_then_probes_the_next_size_up() -> None:
@@ -267,7 +307,7 @@ def test_cost_model_reset_forgets_the_request_but_keeps_costs_and_the_pool() -> 
     assert policy.acceptance < policy.pool_acceptance < policy.prior_acceptance
     policy.reset()
     assert policy.counts.judged == [] and policy.acceptance == policy.pool_acceptance < policy.prior_acceptance
-    assert policy.target_cost[5].value == 2.0 and policy.draft_cost.value == 0.1
+    assert policy.target_cost[10].value == 2.0 and policy.draft_cost.value == 0.1  # 2 rows x 5 tokens scored
 
 
 def test_rows_share_costs_and_pool_but_not_their_counts() -> None:
@@ -311,7 +351,7 @@ class BurstyWorld(World):
         return expected_tokens_by_position(self.profile, gamma) / (gamma * self.draft_cost + self.target_cost(gamma + 1))
 
     def step(self, policy, rng: random.Random, rows: int = 32) -> int:
-        gamma = policy.choose(100)
+        gamma = policy.choose(100, rows)
         kept = []
         for _ in range(rows):
             n = 0
@@ -335,6 +375,41 @@ def test_per_position_acceptance_predicts_bursty_drafts_better(seed: int) -> Non
         settled[per_position] = world.rate(collections.Counter(choices[-100:]).most_common(1)[0][0])
     assert settled[True] > 0.99 * best, settled
     assert settled[False] < 0.98 * best, settled
+
+
+def _regime_world_rate(policy: CostModelGamma, seed: int, steps: int = 4000) -> float:
+    """Tokens per second in a world of regimes that persist across blocks: copying (each draft kept with
+    probability 0.97) and free text (0.35); the regime changes with probability 0.1 after each step. A draft
+    token costs 0.15 of a target pass: long blocks pay only while copying."""
+    rng = random.Random(seed)
+    copying, tokens, seconds = False, 0, 0.0
+    for _ in range(steps):
+        gamma = policy.choose(100)
+        kept = 0
+        while kept < gamma and rng.random() < (0.97 if copying else 0.35):
+            kept += 1
+        seconds += gamma * 0.15 + 1.0 + 0.01 * gamma
+        tokens += kept + 1
+        policy.observe(gamma, [gamma], [kept], gamma * 0.15, 1.0 + 0.01 * gamma)
+        if rng.random() < 0.1:
+            copying = not copying
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_conditioning_on_the_previous_block_drafts_long_in_runs_and_short_outside(seed: int) -> None:
+    conditioned = _regime_world_rate(CostModelGamma(max_gamma=12), seed)
+    plain = _regime_world_rate(CostModelGamma(max_gamma=12, condition_on_previous=False), seed)
+    assert conditioned > 1.02 * plain, (conditioned, plain)
+    policy = CostModelGamma(max_gamma=12)
+    _regime_world_rate(policy, seed, steps=2000)
+    choices = {}
+    for previous_full in (True, False):
+        policy._previous_full = previous_full
+        choices[previous_full] = best_gamma(policy.position_acceptance(12), policy._draft_cost(),
+                                            policy._target_costs(12), 12)
+    after_full, after_rejection = choices[True], choices[False]
+    assert after_full >= after_rejection + 4, (after_full, after_rejection)
 
 
 @pytest.mark.parametrize("acceptance", [0.2, 0.6, 0.9])

@@ -417,14 +417,14 @@ class DecodeBatch:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
         # Each row picks its own draft length, capped so it never drafts past its remaining budget.
         row_gammas = [
-            row.policy.choose(row.max_new_tokens - len(row.output) - 1) if self.drafter is not None else 0
+            row.policy.choose(row.max_new_tokens - len(row.output) - 1, len(self.rows)) if self.drafter is not None else 0
             for row in self.rows
         ]
         gamma = max(row_gammas)
         if self.drafter is not None:
             # Early stops only for rows under the cost model: a seeded row's block ends must not depend on timings.
             self.drafter.stop_below = [
-                row.policy.stop_threshold(g) if self.stop_drafting and isinstance(row.policy, CostModelGamma) else 0.0
+                row.policy.stop_threshold(g, len(self.rows)) if isinstance(row.policy, CostModelGamma) else 0.0
                 for row, g in zip(self.rows, row_gammas)
             ] if self.stop_drafting else None
         uniforms = self._uniforms(gamma, row_gammas)

@@ -6,8 +6,11 @@
 - ``CostModelGamma`` (``num_draft_tokens="auto"``): Leviathan et al.'s model. With per-token acceptance
   ``a``, a step with g drafts emits ``(1 - a^(g+1)) / (1 - a)`` tokens on average and costs
   ``g * t_draft + t_target(g + 1)``; pick the g with the most tokens per second. ``a`` is estimated online
-  per request and per draft position (acceptance is bursty, see ``CostModelGamma``); ``t_draft`` and ``t_target(m)`` are measured online (scoring m tokens is *not* as cheap as
-  one on a CPU), with unmeasured sizes interpolated from measured ones and probed when they might win.
+  per request and per draft position (acceptance is bursty, see ``CostModelGamma``); ``t_draft`` and
+  ``t_target`` are measured online (scoring m tokens is *not* as cheap as one on a CPU), with unmeasured sizes
+  interpolated from measured ones and probed when they might win. In a batch of B rows a step scores
+  B * (g + 1) tokens, so the target's cost is learnt per number of tokens scored in a pass and the draft's per
+  batch size: drafts that pay at batch 1 may not at batch 16, where the target is compute-bound.
 
 Policies only choose lengths; exactness never depends on them.
 """
@@ -28,7 +31,8 @@ class GammaPolicy:
     def reset(self) -> None:
         """Forget per-request state (acceptance); keep machine-level measurements (costs)."""
 
-    def choose(self, max_gamma: int) -> int:
+    def choose(self, max_gamma: int, rows: int = 1) -> int:
+        """The next draft length, at most ``max_gamma``, for one row of a batch of ``rows``."""
         raise NotImplementedError
 
     def for_row(self) -> GammaPolicy:
@@ -38,8 +42,8 @@ class GammaPolicy:
 
     def observe(self, gamma: int, draft_lengths: list[int], num_accepted: list[int],
                 draft_time_s: float | None, target_time_s: float | None) -> None:
-        """Learn from a step that drafted ``gamma`` tokens (0 = target alone); times are None when the
-        observation is about acceptance only (one row of a batch)."""
+        """Learn from a step that drafted ``gamma`` tokens (0 = target alone) for ``len(draft_lengths)`` rows;
+        times are None when the observation is about acceptance only (one row of a batch)."""
 
 
 class FixedGamma(GammaPolicy):
@@ -47,7 +51,7 @@ class FixedGamma(GammaPolicy):
         self.gamma = gamma
         self.name = str(gamma)
 
-    def choose(self, max_gamma: int) -> int:
+    def choose(self, max_gamma: int, rows: int = 1) -> int:
         return min(self.gamma, max_gamma)
 
 
@@ -66,7 +70,7 @@ class HeuristicGamma(GammaPolicy):
     def for_row(self) -> HeuristicGamma:
         return HeuristicGamma(self.start, self.max_gamma)
 
-    def choose(self, max_gamma: int) -> int:
+    def choose(self, max_gamma: int, rows: int = 1) -> int:
         return min(self.gamma, max_gamma)
 
     def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
@@ -143,6 +147,23 @@ class PositionCounts:
         return sum(self.kept), sum(self.judged)
 
 
+def _interpolate(table: dict[int, _Ema], x: int) -> float:
+    """The measured value at ``x``, else interpolated linearly between the nearest measured sizes, else
+    extrapolated with the slope of the two nearest (never decreasing; flat if only one is measured)."""
+    known = sorted((size, ema.value) for size, ema in table.items() if ema.value is not None)
+    below = [(s, y) for s, y in known if s <= x]
+    above = [(s, y) for s, y in known if s >= x]
+    if below and above:
+        (x0, y0), (x1, y1) = below[-1], above[0]
+        return y0 if x0 == x1 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    if below:
+        if len(below) < 2:
+            return below[-1][1]
+        (x0, y0), (x1, y1) = below[-2], below[-1]
+        return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (x - x1)
+    return above[0][1]
+
+
 @dataclass
 class _Ema:
     value: float | None = None
@@ -169,10 +190,17 @@ class CostModelGamma(GammaPolicy):
     per_position: bool = True  # False: one iid acceptance rate, as in the papers' formula
     pool_decay: float = 0.995  # per row-step: the pool follows the recent workload
     name: str = "auto"
-    target_cost: dict[int, _Ema] = field(default_factory=dict)  # tokens scored -> seconds
-    draft_cost: _Ema = field(default_factory=_Ema)  # seconds per draft token
+    target_cost: dict[int, _Ema] = field(default_factory=dict)  # tokens scored in one pass (all rows) -> seconds
+    draft_cost: _Ema = field(default_factory=_Ema)  # seconds per draft token (step), any batch size
+    draft_cost_by_rows: dict[int, _Ema] = field(default_factory=dict)  # batch size -> seconds per draft token
     counts: PositionCounts = field(default_factory=PositionCounts)  # this request (row)
     pool: PositionCounts = field(default_factory=PositionCounts)  # recent requests, shared by rows
+    # Acceptance also runs across blocks: after a block kept in full the next one tends to be kept too (what
+    # transformers' +2/-1 heuristic exploits). The pool, split by the previous block's outcome (index 1: kept
+    # in full), says how much that outcome shifts each position's acceptance.
+    by_previous: tuple[PositionCounts, PositionCounts] = field(default_factory=lambda: (PositionCounts(), PositionCounts()))
+    condition_on_previous: bool = True
+    _previous_full: bool | None = None  # this row's last judged block: kept in full?
     probe_every: int = 8  # while the model says "don't draft", still draft 1 token this often to re-measure
     refresh_every: int = 12  # every this many steps, draft one more or one fewer (alternately) than chosen:
     # one noisy measurement of a neighbour's cost must not decide every later choice
@@ -181,6 +209,7 @@ class CostModelGamma(GammaPolicy):
 
     def reset(self) -> None:
         self.counts = PositionCounts()  # a new object: the old one may be another row's
+        self._previous_full = None
 
     @property
     def pool_acceptance(self) -> float:
@@ -197,6 +226,8 @@ class CostModelGamma(GammaPolicy):
         """Estimated conditional acceptance of draft positions 0..n-1 for this request."""
         w = self.prior_weight
         shift = _logit(self.acceptance) - _logit(self.pool_acceptance)
+        state = None if not self.condition_on_previous or self._previous_full is None else \
+            self.by_previous[self._previous_full]
         pooled, out = self.pool_acceptance, []
         for i in range(n):
             if i < len(self.pool.judged):  # positions the pool never judged keep the previous estimate
@@ -204,39 +235,30 @@ class CostModelGamma(GammaPolicy):
             base = _sigmoid(_logit(pooled) + shift)
             if i < len(self.counts.judged):
                 base = (self.counts.kept[i] + base * w) / (self.counts.judged[i] + w)
+            if state is not None and i < len(state.judged):  # shift by what the previous outcome does here
+                given = (state.kept[i] + pooled * w) / (state.judged[i] + w)
+                base = _sigmoid(_logit(base) + _logit(given) - _logit(pooled))
             out.append(base)
         return out
 
-    def _target_costs(self, max_gamma: int) -> list[float]:
-        """Seconds to score g+1 tokens for g = 0..max_gamma: measured, else interpolated between measured
-        sizes, else extrapolated with the slope of the two largest measured sizes (flat if only one)."""
-        known = sorted((m, ema.value) for m, ema in self.target_cost.items() if ema.value is not None)
-        costs = []
-        for g in range(max_gamma + 1):
-            m = g + 1
-            below = [(x, y) for x, y in known if x <= m]
-            above = [(x, y) for x, y in known if x >= m]
-            if below and above:
-                (x0, y0), (x1, y1) = below[-1], above[0]
-                costs.append(y0 if x0 == x1 else y0 + (y1 - y0) * (m - x0) / (x1 - x0))
-            elif below:
-                if len(below) >= 2:
-                    (x0, y0), (x1, y1) = below[-2], below[-1]
-                    slope = max((y1 - y0) / (x1 - x0), 0.0)
-                else:
-                    x1, y1, slope = below[-1][0], below[-1][1], 0.0
-                costs.append(y1 + slope * (m - x1))
-            else:
-                costs.append(above[0][1])
-        return costs
+    def _target_costs(self, max_gamma: int, rows: int = 1) -> list[float]:
+        """Seconds for the pass that scores g+1 tokens in each of ``rows`` rows, g = 0..max_gamma."""
+        return [_interpolate(self.target_cost, rows * (g + 1)) for g in range(max_gamma + 1)]
 
-    def choose(self, max_gamma: int) -> int:
+    def _draft_cost(self, rows: int = 1) -> float | None:
+        """Seconds per draft token (one draft pass over the batch) at this batch size."""
+        if any(ema.value is not None for ema in self.draft_cost_by_rows.values()):
+            return _interpolate(self.draft_cost_by_rows, rows)
+        return self.draft_cost.value
+
+    def choose(self, max_gamma: int, rows: int = 1) -> int:
         max_gamma = min(max_gamma, self.max_gamma)
-        if not self.target_cost or self.draft_cost.value is None:
+        draft_cost = self._draft_cost(rows)
+        if not self.target_cost or draft_cost is None:
             return min(max(1, round(self.max_gamma / 2)), max_gamma)  # measure something first
-        costs = self._target_costs(max_gamma)
+        costs = self._target_costs(max_gamma, rows)
         acceptance = self.position_acceptance(max_gamma) if self.per_position else self.acceptance
-        choice = best_gamma(acceptance, self.draft_cost.value, costs, max_gamma)
+        choice = best_gamma(acceptance, draft_cost, costs, max_gamma)
         if choice == 0 and max_gamma >= 1:
             self._idle_steps += 1
             if self._idle_steps >= self.probe_every:
@@ -245,7 +267,7 @@ class CostModelGamma(GammaPolicy):
             return 0
         # Probe unmeasured neighbours once each (up first): interpolation / flat extrapolation may misjudge them.
         for g in (choice + 1, choice - 1):
-            if 0 <= g <= max_gamma and (g + 1) not in self.target_cost:
+            if 0 <= g <= max_gamma and rows * (g + 1) not in self.target_cost:
                 return g
         self._steps += 1
         if self.refresh_every and self._steps % self.refresh_every == 0:
@@ -257,21 +279,23 @@ class CostModelGamma(GammaPolicy):
     def for_drafter(self) -> CostModelGamma:
         """A policy for another drafter on the same target: it shares this one's target cost table (the
         machine's) but learns its own draft cost and acceptance."""
-        return dataclasses.replace(self, target_cost=self.target_cost, draft_cost=_Ema(), counts=PositionCounts(),
-                                   pool=PositionCounts(), _idle_steps=0, _steps=0)
+        return dataclasses.replace(self, target_cost=self.target_cost, draft_cost=_Ema(), draft_cost_by_rows={},
+                                   counts=PositionCounts(), pool=PositionCounts(),
+                                   by_previous=(PositionCounts(), PositionCounts()), _idle_steps=0, _steps=0)
 
-    def stop_threshold(self, gamma: int) -> float:
+    def stop_threshold(self, gamma: int, rows: int = 1) -> float:
         """Where a confidence-aware drafter should stop a row's block early: once the draft's own probability
         of the block so far falls below ``t_draft / (seconds per emitted token at this gamma)``. Another draft
         token costs ``t_draft``; it can only pay if the block survives to it, which the draft believes with
         that probability, and a token is worth what the decoder currently spends per token. 0 = never stop
         (nothing measured yet)."""
-        if gamma < 1 or self.draft_cost.value is None or not self.target_cost:
+        draft_cost = self._draft_cost(rows)
+        if gamma < 1 or draft_cost is None or not self.target_cost:
             return 0.0
-        costs = self._target_costs(gamma)
+        costs = self._target_costs(gamma, rows)
         acceptance = self.position_acceptance(gamma) if self.per_position else [self.acceptance] * gamma
-        seconds_per_token = (gamma * self.draft_cost.value + costs[gamma]) / expected_tokens_by_position(acceptance, gamma)
-        return min(self.draft_cost.value / seconds_per_token, 1.0)
+        seconds_per_token = (gamma * draft_cost + costs[gamma]) / expected_tokens_by_position(acceptance, gamma)
+        return min(draft_cost / seconds_per_token, 1.0)
 
     def for_row(self) -> CostModelGamma:
         row = copy.copy(self)  # shares the cost tables and the pool, not the request's acceptance counts
@@ -280,11 +304,16 @@ class CostModelGamma(GammaPolicy):
         return row
 
     def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
+        rows = max(len(draft_lengths), 1)
         if target_time_s is not None:
-            self.target_cost.setdefault(gamma + 1, _Ema()).add(target_time_s)
+            self.target_cost.setdefault(rows * (gamma + 1), _Ema()).add(target_time_s)
         if draft_time_s is not None and gamma and sum(draft_lengths):
             self.draft_cost.add(draft_time_s / gamma)
+            self.draft_cost_by_rows.setdefault(rows, _Ema()).add(draft_time_s / gamma)
         for n, length in zip(num_accepted, draft_lengths):
             if length:
                 self.counts.add(length, n)
                 self.pool.add(length, n, self.pool_decay)
+                if self._previous_full is not None:
+                    self.by_previous[self._previous_full].add(length, n, self.pool_decay)
+                self._previous_full = n == length
