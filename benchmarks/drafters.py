@@ -106,6 +106,9 @@ def main(argv=None) -> int:
     parser.add_argument("--early-exit-layers", type=int, default=14)
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--repeats", type=int, default=2, help="repeats of the draft-length sweep")
+    parser.add_argument("--kinds", default="completion,edit,chat", help="comma-separated workloads")
+    parser.add_argument("--only-sweep", action="store_true",
+                        help="only the Qwen draft-length sweep (e.g. more prompts for one workload)")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args(argv)
     n = args.max_new_tokens
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
     int4_draft = quantize_draft(draft, bits=4)
     del draft
     decoder = SpeculativeDecoder(target, int4_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
-    groups = by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind)
+    kinds = args.kinds.split(",")
+    groups = {k: v for k, v in by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind).items() if k in kinds}
     decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
     drafters = {
         "draft_0.5b_int4": ModelDrafter(int4_draft),
@@ -134,16 +138,20 @@ def main(argv=None) -> int:
         f"early_exit_{args.early_exit_layers}": EarlyExitDrafter(target, args.early_exit_layers),
         "target_int8": ModelDrafter(int8_target),
     }
-    report["qwen_drafters"] = compare(decoder, drafters, groups, n, eos)
+    if not args.only_sweep:
+        report["qwen_drafters"] = compare(decoder, drafters, groups, n, eos)
     if not args.skip_sweep:
         report["qwen_gamma_sweep"] = sweep(decoder, drafters["draft_0.5b_int4"], groups, n, eos, args.repeats)
     del decoder, drafters, target, int8_target, int8_draft, int4_draft
+    if args.only_sweep:
+        return write(report, Path(args.out))
 
     small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
     small_int8 = quantize_draft(small)
     prepack_linears(small)
     small_decoder = SpeculativeDecoder(small, drafter=NGramDrafter(), num_draft_tokens="auto")
-    small_groups = by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind)
+    small_groups = {k: v for k, v in by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind).items()
+                    if k in kinds}
     small_eos = [small_tokenizer.eos_token_id]
     small_decoder.generate([small_groups["completion"][0]], max_new_tokens=8)
     report["smollm2_drafters"] = compare(small_decoder, {
@@ -152,7 +160,11 @@ def main(argv=None) -> int:
     if not args.skip_sweep:
         report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos, args.repeats)
 
-    out = Path(args.out)
+    return write(report, Path(args.out))
+
+
+def write(report: dict, out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "drafters.json").write_text(json.dumps(report, indent=2))
     (out / "DRAFTERS.md").write_text(markdown(report))
     print((out / "DRAFTERS.md").read_text())
