@@ -57,7 +57,8 @@ def compare(decoder, drafters: dict, groups, n, eos) -> dict:
         alone = measure(decoder, prompts, n, eos, draft=None)
         results[kind] = {"alone": {"tokens_per_s": alone["tokens_per_s"], "speedup": 1.0, "acceptance": 0.0}}
         for name, drafter in drafters.items():
-            drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {})
+            # early stops only where a name says so: each row measures one thing
+            drafter, options = drafter if isinstance(drafter, tuple) else (drafter, {"stop_drafting": False})
             m = measure(decoder, prompts, n, eos, draft=drafter, num_draft_tokens="auto", **options)
             assert m["outputs"] == alone["outputs"], f"{name} changed the greedy output on {kind}"
             results[kind][name] = {"tokens_per_s": m["tokens_per_s"], "acceptance": m["acceptance"],

@@ -74,12 +74,12 @@ def test_draft_quantisation_choices_keep_the_output(models, capsys, quant, messa
 
 def test_stop_drafting_flag_keeps_the_output(models, capsys) -> None:
     common = ["generate", "--target", models["target"], "--prompt", "def x ( y ) :", "--max-new-tokens", "12", "--json"]
-    code, out, _ = run(capsys, *common, "--draft", models["draft"], "--stop-drafting")
-    assert code == 0
     code, alone, _ = run(capsys, *common, "--draft", "none")
-    assert json.loads(out)["tokens"] == json.loads(alone)["tokens"]
-    assert build_parser().parse_args(["serve", "--stop-drafting"]).stop_drafting
-    assert not build_parser().parse_args(["generate"]).stop_drafting  # off unless asked
+    for flag in ("--stop-drafting", "--no-stop-drafting"):
+        code, out, _ = run(capsys, *common, "--draft", models["draft"], flag)
+        assert code == 0 and json.loads(out)["tokens"] == json.loads(alone)["tokens"]
+    assert build_parser().parse_args(["generate"]).stop_drafting  # on by default
+    assert not build_parser().parse_args(["serve", "--no-stop-drafting"]).stop_drafting
 
 
 def test_generate_streams_text_and_reports(models, capsys) -> None:

@@ -69,7 +69,7 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
             progress("draft: linear layers pre-packed")
     gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
     decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=gamma, drafter=drafter, vocab_size=len(tokenizer),
-                                 stop_drafting=getattr(args, "stop_drafting", False))
+                                 stop_drafting=getattr(args, "stop_drafting", True))
     return decoder, tokenizer
 
 
@@ -220,9 +220,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                         help="do not pre-pack the target's linear layers nor quantise the draft")
     parser.add_argument("--draft-quant", choices=["int4", "int8", "none"], default="int4",
                         help="CPU draft weights: int4 (default; int8 where the int4 kernel cannot run), int8 or none")
-    parser.add_argument("--stop-drafting", action="store_true",
+    parser.add_argument("--stop-drafting", action=argparse.BooleanOptionalAction, default=True,
                         help="with --num-draft-tokens auto and a draft model: end a block early once the draft's "
-                             "own confidence in it is below the cost model's threshold")
+                             "own confidence in it is below the cost model's threshold (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
 
 

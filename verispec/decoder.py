@@ -103,7 +103,7 @@ class SpeculativeDecoder:
         *,
         drafter: Drafter | None = None,
         vocab_size: int | None = None,
-        stop_drafting: bool = False,
+        stop_drafting: bool = True,
     ) -> None:
         self.gamma_policy = make_gamma_policy(num_draft_tokens)
         self.stop_drafting = stop_drafting
@@ -172,9 +172,9 @@ class SpeculativeDecoder:
         ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted.
         ``seed`` makes sampling reproducible (same seed, same tokens; with ``num_draft_tokens="auto"`` a
         seeded sampling call uses the timing-free "heuristic" schedule, since timings are not reproducible);
-        the global RNG is never used. ``stop_drafting`` (per call, else the decoder's setting): with
-        ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's own
-        probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
+        the global RNG is never used. ``stop_drafting`` (per call, else the decoder's setting, on by
+        default): with ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's
+        own probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
         """
         sampling = SamplingParams(temperature, top_k, top_p)
         prompts = self._prompts(input_ids, attention_mask)
