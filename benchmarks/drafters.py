@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default="completion,edit,chat", help="comma-separated workloads")
     parser.add_argument("--only-sweep", action="store_true",
                         help="only the Qwen draft-length sweep (e.g. more prompts for one workload)")
+    parser.add_argument("--only-smollm2-sweep", action="store_true",
+                        help="only the SmolLM2 n-gram draft-length sweep")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args(argv)
     n = args.max_new_tokens
@@ -117,6 +119,9 @@ def main(argv=None) -> int:
     report: dict = {"command": "python benchmarks/drafters.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"}
 
+    kinds = args.kinds.split(",")
+    if args.only_smollm2_sweep:
+        return smollm2_sweep(report, prompts, kinds, args, n)
     target, tokenizer = zoo.load("qwen2.5-coder-1.5b", progress=log)
     draft, _ = zoo.load("qwen2.5-coder-0.5b", progress=log)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
@@ -126,7 +131,6 @@ def main(argv=None) -> int:
     int4_draft = quantize_draft(draft, bits=4)
     del draft
     decoder = SpeculativeDecoder(target, int4_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
-    kinds = args.kinds.split(",")
     groups = {k: v for k, v in by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind).items() if k in kinds}
     decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
     drafters = {
@@ -161,6 +165,18 @@ def main(argv=None) -> int:
     if not args.skip_sweep:
         report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos, args.repeats)
 
+    return write(report, Path(args.out))
+
+
+def smollm2_sweep(report: dict, prompts, kinds, args, n: int) -> int:
+    small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
+    prepack_linears(small)
+    decoder = SpeculativeDecoder(small, drafter=NGramDrafter(), num_draft_tokens="auto")
+    groups = {k: v for k, v in by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind).items()
+              if k in kinds}
+    eos = [small_tokenizer.eos_token_id]
+    decoder.generate([groups["completion"][0]], max_new_tokens=8)
+    report["smollm2_gamma_sweep"] = sweep(decoder, NGramDrafter(), groups, n, eos, args.repeats)
     return write(report, Path(args.out))
 
 
