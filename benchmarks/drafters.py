@@ -43,9 +43,12 @@ def measure(decoder, prompts, n, eos, **kwargs) -> dict:
             "outputs": outputs, "tokens": tokens, "seconds": seconds, "accepted": accepted, "proposed": proposed}
 
 
-def by_kind(prompts, encoded, per_kind: int) -> dict[str, list[list[int]]]:
+def by_kind(prompts, encoded, per_kind: int, kinds: list[str] | None = None) -> dict[str, list[list[int]]]:
+    """The first ``per_kind`` encoded prompts of each workload (only ``kinds`` if given)."""
     groups: dict[str, list[list[int]]] = {}
     for ids, p in zip(encoded, prompts):
+        if kinds is not None and p["kind"] not in kinds:
+            continue
         if len(groups.setdefault(p["kind"], [])) < per_kind:
             groups[p["kind"]].append(ids)
     return groups
@@ -114,14 +117,21 @@ def main(argv=None) -> int:
                         help="only the SmolLM2 n-gram draft-length sweep")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args(argv)
-    n = args.max_new_tokens
     prompts = json.loads(Path(__file__).with_name("prompts.json").read_text())
     report: dict = {"command": "python benchmarks/drafters.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                     "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"}
 
     kinds = args.kinds.split(",")
-    if args.only_smollm2_sweep:
-        return smollm2_sweep(report, prompts, kinds, args, n)
+    if not args.only_smollm2_sweep:
+        qwen(report, prompts, kinds, args)
+    if not args.only_sweep:
+        smollm2(report, prompts, kinds, args)
+    return write(report, Path(args.out))
+
+
+def qwen(report: dict, prompts, kinds: list[str], args) -> None:
+    """The real pair: every drafter, then the draft-length sweep with the 0.5B int4 draft."""
+    n = args.max_new_tokens
     target, tokenizer = zoo.load("qwen2.5-coder-1.5b", progress=log)
     draft, _ = zoo.load("qwen2.5-coder-0.5b", progress=log)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
@@ -131,7 +141,7 @@ def main(argv=None) -> int:
     int4_draft = quantize_draft(draft, bits=4)
     del draft
     decoder = SpeculativeDecoder(target, int4_draft, num_draft_tokens="auto", vocab_size=len(tokenizer))
-    groups = {k: v for k, v in by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind).items() if k in kinds}
+    groups = by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind, kinds)
     decoder.generate([groups["completion"][0]], max_new_tokens=8)  # warm-up, and a first cost measurement
     drafters = {
         "draft_0.5b_int4": ModelDrafter(int4_draft),
@@ -147,37 +157,26 @@ def main(argv=None) -> int:
         report["qwen_drafters"] = compare(decoder, drafters, groups, n, eos)
     if not args.skip_sweep:
         report["qwen_gamma_sweep"] = sweep(decoder, drafters["draft_0.5b_int4"], groups, n, eos, args.repeats)
-    del decoder, drafters, target, int8_target, int8_draft, int4_draft
-    if args.only_sweep:
-        return write(report, Path(args.out))
-
-    small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
-    small_int8 = quantize_draft(small)
-    prepack_linears(small)
-    small_decoder = SpeculativeDecoder(small, drafter=NGramDrafter(), num_draft_tokens="auto")
-    small_groups = {k: v for k, v in by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind).items()
-                    if k in kinds}
-    small_eos = [small_tokenizer.eos_token_id]
-    small_decoder.generate([small_groups["completion"][0]], max_new_tokens=8)
-    report["smollm2_drafters"] = compare(small_decoder, {
-        "ngram": NGramDrafter(), "early_exit_15": EarlyExitDrafter(small, 15), "self_int8": ModelDrafter(small_int8),
-    }, small_groups, n, small_eos)
-    if not args.skip_sweep:
-        report["smollm2_gamma_sweep"] = sweep(small_decoder, NGramDrafter(), small_groups, n, small_eos, args.repeats)
-
-    return write(report, Path(args.out))
+    del decoder, drafters, target, int8_target, int8_draft, int4_draft  # free them before the next model
 
 
-def smollm2_sweep(report: dict, prompts, kinds, args, n: int) -> int:
-    small, small_tokenizer = zoo.load("smollm2-135m", progress=log)
+def smollm2(report: dict, prompts, kinds: list[str], args) -> None:
+    """The real single model: n-gram, early exit and an int8 self-draft, then the n-gram draft-length sweep."""
+    n = args.max_new_tokens
+    small, tokenizer = zoo.load("smollm2-135m", progress=log)
+    compare_drafters = not args.only_smollm2_sweep
+    small_int8 = quantize_draft(small) if compare_drafters else None  # before packing, as for the target
     prepack_linears(small)
     decoder = SpeculativeDecoder(small, drafter=NGramDrafter(), num_draft_tokens="auto")
-    groups = {k: v for k, v in by_kind(prompts, [encode(small_tokenizer, p) for p in prompts], args.per_kind).items()
-              if k in kinds}
-    eos = [small_tokenizer.eos_token_id]
+    groups = by_kind(prompts, [encode(tokenizer, p) for p in prompts], args.per_kind, kinds)
+    eos = [tokenizer.eos_token_id]
     decoder.generate([groups["completion"][0]], max_new_tokens=8)
-    report["smollm2_gamma_sweep"] = sweep(decoder, NGramDrafter(), groups, n, eos, args.repeats)
-    return write(report, Path(args.out))
+    if compare_drafters:
+        report["smollm2_drafters"] = compare(decoder, {
+            "ngram": NGramDrafter(), "early_exit_15": EarlyExitDrafter(small, 15), "self_int8": ModelDrafter(small_int8),
+        }, groups, n, eos)
+    if not args.skip_sweep:
+        report["smollm2_gamma_sweep"] = sweep(decoder, NGramDrafter(), groups, n, eos, args.repeats)
 
 
 def write(report: dict, out: Path) -> int:

@@ -127,9 +127,8 @@ class SpeculativeDecoder:
 
     def _auto_for(self, draft: object) -> CostModelGamma:
         """The cost model for ``draft`` (a call's ``draft`` argument): the decoder's own for its own draft."""
-        if draft is _USE_DECODER_DRAFT or draft is None or draft is self.drafter:
-            return self._auto_policy
-        if draft is getattr(self.drafter, "model", None):  # the decoder's own draft model, passed again
+        own = (_USE_DECODER_DRAFT, None, self.drafter, getattr(self.drafter, "model", None))  # its draft model too
+        if any(draft is d for d in own):
             return self._auto_policy
         policy = self._drafter_policies.get(draft)
         if policy is None:

@@ -150,6 +150,7 @@ class ModelDrafter(Drafter):
             stop_below = torch.tensor(self.stop_below, dtype=torch.float32, device=device)  # [B]
             survive = torch.ones(len(self.pending), device=device)  # [B] draft's probability of the block so far
             lengths = torch.full((len(self.pending),), k, dtype=torch.long, device=device)  # [B]
+            greedy = torch.tensor([p.greedy for p in self.params], device=device)  # [B]
         logits = self.lm.forward(ids, mask, positions, 1)[:, -1, : self.vocab_size]  # [B, V]
         self.calls += 1
         for j in range(k):
@@ -171,7 +172,6 @@ class ModelDrafter(Drafter):
             if stop_below is not None and j < k - 1:
                 if draft_probs:  # greedy rows hold one-hot rows here: use the softmax for their confidence
                     chosen = draft_probs[-1].gather(1, draft_ids[-1][:, None]).squeeze(1)  # [B]
-                    greedy = torch.tensor([p.greedy for p in self.params], device=device)
                     if greedy.any():
                         soft = torch.softmax(logits.float(), dim=-1).gather(1, draft_ids[-1][:, None]).squeeze(1)
                         chosen = torch.where(greedy, soft, chosen)
