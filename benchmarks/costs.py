@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from verispec import zoo
-from verispec.adapters import CachedLM
-from verispec.fast import prepack_linears, quantize_draft
+from verispec.models.cache import CachedLM
+from verispec.models.fast import prepack_linears, quantize_draft
 
 CONTEXT = (
     "import numpy as np\n\n\ndef moving_average(values, window):\n"

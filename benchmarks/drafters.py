@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import encode, log  # noqa: E402
 
 from verispec import CompositeDrafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, SpeculativeDecoder, zoo  # noqa: E402
-from verispec.fast import prepack_linears, quantize_draft  # noqa: E402
+from verispec.models.fast import prepack_linears, quantize_draft  # noqa: E402
 
 
 def measure(decoder, prompts, n, eos, **kwargs) -> dict:

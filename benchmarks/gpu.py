@@ -30,8 +30,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from verispec.adapters import CachedLM  # noqa: E402
-from verispec.gamma import expected_tokens_by_position  # noqa: E402
+from verispec.models.cache import CachedLM  # noqa: E402
+from verispec.policy import expected_tokens_by_position  # noqa: E402
 
 CONFIGS = Path(__file__).with_name("configs")
 

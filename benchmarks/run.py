@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from costs import time_forward  # noqa: E402
 
 from verispec import SpeculativeDecoder, zoo  # noqa: E402
-from verispec.fast import prepack_linears, quantize_draft, shared_copy  # noqa: E402
-from verispec.gamma import expected_tokens, expected_tokens_by_position  # noqa: E402
+from verispec.models.fast import prepack_linears, quantize_draft, shared_copy  # noqa: E402
+from verispec.policy import expected_tokens, expected_tokens_by_position  # noqa: E402
 
 SAMPLE = dict(temperature=0.7, top_p=0.95)
 

@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from verispec import SpeculativeDecoder  # noqa: E402
-from verispec.cli import build_decoder, eos_ids  # noqa: E402
-from verispec.engine import Engine  # noqa: E402
-from verispec.server import create_app  # noqa: E402
+from verispec.cli import build_decoder  # noqa: E402
+from verispec.models import eos_token_ids  # noqa: E402
+from verispec.serving.engine import Engine  # noqa: E402
+from verispec.serving.app import create_app  # noqa: E402
 
 MODEL = "bench"
 
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                                     dtype="float32", device=args.device, fast=True)
     speculative, tokenizer = build_decoder(model_args, log)
     alone = SpeculativeDecoder(speculative.target_model, None, vocab_size=speculative.vocab_size)  # shared weights
-    eos = eos_ids(tokenizer, speculative.target_model)
+    eos = eos_token_ids(tokenizer, speculative.target_model)
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests_per_client, "command": " ".join(sys.argv),

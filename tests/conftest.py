@@ -1,8 +1,9 @@
-"""Make the repository root importable when pytest is run without installing the package."""
+"""Make the repository root and the shared test helpers (``tests/tiny_models.py``) importable from every
+test folder, also when pytest runs without the package installed."""
 
 import sys
 from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))

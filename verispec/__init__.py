@@ -1,11 +1,12 @@
 """verispec: exact speculative decoding for Hugging Face causal language models."""
 
-from .decoder import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder
-from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal
-from .sampling import SamplingParams
-from .telemetry import GenerationStats
-
 __version__ = "0.1.0"
+
+from .core.sampling import SamplingParams  # noqa: E402
+from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder  # noqa: E402
+from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal  # noqa: E402
+from .models import load, zoo  # noqa: E402
+from .telemetry import GenerationStats  # noqa: E402
 
 __all__ = [
     "CompositeDrafter",
@@ -20,4 +21,6 @@ __all__ = [
     "SamplingParams",
     "SpeculativeDecoder",
     "__version__",
+    "load",
+    "zoo",
 ]

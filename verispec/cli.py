@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from . import __version__
+from .models import eos_token_ids
 
 DEMO_PROMPT = (
     "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
@@ -25,52 +26,17 @@ def _log(message: str) -> None:
     print(f"[verispec] {message}", file=sys.stderr, flush=True)
 
 
-def load_model(name_or_path: str, dtype: str, device: str, progress: Callable[[str], None] | None = _log):
-    """Load a model and tokenizer by zoo name or path, turning loader errors into one-line CLI errors."""
-    from . import zoo
-
-    try:
-        return zoo.load(name_or_path, dtype=dtype, device=device, progress=progress)
-    except (zoo.ZooError, ValueError, OSError) as error:
-        raise CliError(f"cannot load model {name_or_path!r}: {error}") from error
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
-    """Speculative decoding needs one vocabulary; refuse tokenizers that map text differently."""
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise CliError(
-            f"target and draft tokenizers differ ({len(target_tokenizer)} vs {len(draft_tokenizer)} tokens); "
-            "pick a draft from the same model family"
-        )
-
-
 def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _log):
-    """Load the target (and draft) named by ``args`` and return ``(decoder, tokenizer)``."""
+    """Load the target (and draft) named by ``args`` with the library factory; returns ``(decoder, tokenizer)``."""
+    from .models import LoadError, load
 
-    from .decoder import SpeculativeDecoder
-    from .drafters import NGramDrafter
-    from .fast import int4_supported, prepack_linears, quantize_draft
-
-    target, tokenizer = load_model(args.target, args.dtype, args.device, progress)
-    if args.fast and prepack_linears(target):
-        progress("target: linear layers pre-packed for this CPU (same dtype)")
-    drafter, draft_model = None, None
-    if args.draft == "ngram":
-        drafter = NGramDrafter()
-    elif args.draft != "none":
-        draft_model, draft_tokenizer = load_model(args.draft, args.dtype, args.device, progress)
-        check_same_tokenizer(tokenizer, draft_tokenizer)
-        quant = getattr(args, "draft_quant", "int4")
-        if args.fast and args.device == "cpu" and quant != "none":
-            bits = 4 if quant == "int4" and int4_supported(draft_model) else 8
-            draft_model = quantize_draft(draft_model, bits=bits)
-            progress(f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
-        elif args.fast and prepack_linears(draft_model):
-            progress("draft: linear layers pre-packed")
     gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
-    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=gamma, drafter=drafter, vocab_size=len(tokenizer),
-                                 stop_drafting=getattr(args, "stop_drafting", True))
-    return decoder, tokenizer
+    try:
+        return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
+                    draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
+                    stop_drafting=getattr(args, "stop_drafting", True))
+    except LoadError as error:
+        raise CliError(str(error)) from error
 
 
 def _int_arg(value: str) -> int:
@@ -90,20 +56,6 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if not ids:
         raise CliError("the prompt is empty after tokenisation")
     return list(ids)
-
-
-def eos_ids(tokenizer, model) -> list[int]:
-    ids = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(source)
-    for token in ("<|im_end|>", "<|endoftext|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id >= 0:
-            ids.add(token_id)
-    return sorted(ids)
 
 
 class TextStream:
@@ -147,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     out = decoder.generate(
         [prompt_ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, eos_token_id=eos_ids(tokenizer, decoder.target_model), seed=args.seed,
+        top_p=args.top_p, eos_token_id=eos_token_ids(tokenizer, decoder.target_model), seed=args.seed,
         on_tokens=stream,
     )
     wall = time.perf_counter() - started
@@ -173,7 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
          "a few minutes)")
     decoder, tokenizer = build_decoder(args)
     prompt_ids = encode_prompt(tokenizer, args.prompt or DEMO_PROMPT, chat=False)
-    eos = eos_ids(tokenizer, decoder.target_model)
+    eos = eos_token_ids(tokenizer, decoder.target_model)
     common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, eos_token_id=eos)
     print(args.prompt or DEMO_PROMPT, end="", flush=True)
     _log("warm-up pass")
@@ -203,10 +155,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI API (completions, chat, streaming, metrics) with continuous batching."""
     try:
-        from .server import serve
+        from .serving.app import serve
     except ImportError as error:
         raise CliError(f"serving needs fastapi and uvicorn (pip install 'verispec[server]'): {error}") from error
-    return serve(args, _log)
+    decoder, tokenizer = build_decoder(args)
+    return serve(decoder, tokenizer, model_name=args.model_name or args.target, host=args.host, port=args.port,
+                 max_batch_size=args.max_batch_size, max_context=args.max_context,
+                 default_max_tokens=args.max_new_tokens, log_level=args.log_level, log=_log)
 
 
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:

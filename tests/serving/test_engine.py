@@ -8,7 +8,7 @@ import pytest
 from tiny_models import pair, prompt, reference_greedy
 
 from verispec import SpeculativeDecoder
-from verispec.engine import Engine, EngineRequest, FinishEvent, TokensEvent
+from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent
 
 
 class Collector:

@@ -1,4 +1,4 @@
-"""Tests for verispec.zoo.
+"""Tests for verispec.models.zoo.
 
 All tests but the one marked ``slow`` run offline in a temp cache and need no
 download: they assemble fake parts, fake installed part packages, and a tiny
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from verispec import zoo
-from verispec.zoo import ZOO, ZooEntry, ZooError
+from verispec.models.zoo import ZOO, ZooEntry, ZooError
 
 # ------------------------------------------------------------------ helpers
 

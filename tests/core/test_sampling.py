@@ -1,4 +1,4 @@
-"""Tests of verispec.sampling: parameter validation, warpers (against transformers' own), inverse-CDF sampling.
+"""Tests of verispec.core.sampling: parameter validation, warpers (against transformers' own), inverse-CDF sampling.
 
 All randomness comes from seeded ``torch.Generator`` objects; the global RNG is never used.
 """
@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from verispec.sampling import SamplingParams, probs_from_logits, sample_from_probs, warp_logits
+from verispec.core.sampling import SamplingParams, probs_from_logits, sample_from_probs, warp_logits
 
 # Significance of the chi-square test below: a correct sampler fails it with probability 1e-6 for a fresh seed.
 ALPHA = 1e-6

@@ -13,7 +13,7 @@ import pytest
 from tiny_models import pair, prompt, reference_greedy
 
 from verispec import NGramDrafter, SpeculativeDecoder
-from verispec.gamma import (
+from verispec.policy import (
     CostModelGamma,
     FixedGamma,
     HeuristicGamma,

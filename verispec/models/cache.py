@@ -208,3 +208,22 @@ def _left_pad_slots(states, batch_size: int, num_slots: int, width: int, templat
     if tensor.shape[2] == width:
         return tensor
     return torch.cat([tensor.new_zeros((*shape[:2], width - tensor.shape[2], shape[-1])), tensor], dim=2)
+
+
+def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists into ``ids [B, W]`` and a bool ``mask [B, W]`` (False on padding)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for b, row in enumerate(rows):
+        if row:
+            ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[b, width - len(row) :] = True
+    return ids, mask
+
+
+def padded_positions(mask: torch.Tensor, first_positions: torch.Tensor) -> torch.Tensor:
+    """Positions for left-padded inputs: row b's first real token gets ``first_positions[b]``; padding
+    gets that same value (masked anyway, and keeps rotary inputs in range)."""
+    offsets = (mask.long().cumsum(dim=1) - 1).clamp(min=0)  # [B, W]
+    return first_positions[:, None] + offsets

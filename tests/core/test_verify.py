@@ -1,4 +1,4 @@
-"""Tests of verispec.verify: exact law, crafted cases, and goodness of fit, with deliberately broken samplers.
+"""Tests of verispec.core.verify: exact law, crafted cases, and goodness of fit, with deliberately broken samplers.
 
 Statistical design (applies to every chi-square test in this file):
 - Significance ALPHA = 1e-6. Under the null hypothesis (the sampler is correct) a test fails with probability
@@ -25,8 +25,8 @@ import pytest
 import scipy.stats
 import torch
 
-from verispec.sampling import SamplingParams, probs_from_logits
-from verispec.verify import (
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.core.verify import (
     VerifyResult,
     acceptance_probs,
     residual_probs,

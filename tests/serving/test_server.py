@@ -30,7 +30,8 @@ openai = pytest.importorskip("openai")
 
 from tiny_models import perturbed  # noqa: E402
 
-from verispec.server import TextState, create_app  # noqa: E402
+from verispec.serving.app import create_app
+from verispec.serving.detokenize import TextState  # noqa: E402
 
 WORDS = ["<unk>", "<s>", "</s>"] + (
     "def return x y z ( ) : + - * 1 2 3 if else for in print hello world user assistant system the a cat dog"
@@ -116,7 +117,7 @@ def model_dirs(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def live(model_dirs):
-    engine_module = pytest.importorskip("verispec.engine")
+    engine_module = pytest.importorskip("verispec.serving.engine")
     from verispec.cli import build_decoder
 
     target, draft = model_dirs

@@ -159,7 +159,7 @@ def _two_token_law(model, context: list[int], warp) -> np.ndarray:
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)])
 def test_sampled_pairs_follow_the_target_law(settings) -> None:
-    from verispec.sampling import SamplingParams, probs_from_logits
+    from verispec.core.sampling import SamplingParams, probs_from_logits
 
     target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
     draft = build("qwen2", seed=4, vocab_size=SMALL_VOCAB)  # unrelated: many rejections and resamples

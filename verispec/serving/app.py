@@ -23,7 +23,6 @@ object on each response (acceptance rate, tokens per target pass, mean draft len
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -39,14 +38,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import __version__
+from .. import __version__
+from ..models import eos_token_ids
+from .detokenize import TextState
+from .metrics import Metrics
 
 MAX_CHOICES = 256  # prompts x n in one request
 MAX_STOP_STRINGS = 16
-CONTEXT_TOKENS = 4  # prompt tokens decoded before the completion, so its first word keeps its leading space
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
 
 
 # --------------------------------------------------------------------------------------------------- errors
@@ -140,188 +139,6 @@ def _stops(body: dict) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(f"'stop' holds {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
     return tuple(dict.fromkeys(s for s in stops if s))  # empty strings stop nothing
-
-
-# ---------------------------------------------------------------------------------------- incremental text
-
-
-class TextState:
-    """Incremental detokenisation of one choice, with stop strings.
-
-    ``add(tokens)`` returns the text that became final with those tokens, ``flush()`` the rest once the
-    engine has finished. Stop strings are searched in the decoded text, so one that spans several tokens or
-    lies inside a block of accepted drafts is found wherever it falls; the text ends just before it. Until
-    then, a suffix of the text that could be the start of a stop string (and an incomplete UTF-8 character)
-    is held back, so streamed pieces never have to be taken back. ``num_tokens`` counts the tokens the
-    returned text needs: all tokens received (EOS included), or after a stop string the fewest tokens whose
-    decoding covers the returned text.
-    """
-
-    def __init__(self, tokenizer, context_ids: Sequence[int], stops: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = tuple(stops)
-        self.longest_stop = max((len(s) for s in self.stops), default=0)
-        context = list(context_ids[-CONTEXT_TOKENS:])
-        context_text = self._decode_raw(context)
-        if "\ufffd" in context_text:  # the context ends inside a character: decode the completion alone
-            context, context_text = [], ""
-        self.context, self.context_text = context, context_text
-        self.tokens: list[int] = []
-        self.text = ""  # the text returned so far
-        self.stop: str | None = None  # the stop string that ended the text
-        self.num_tokens = 0
-
-    def _decode_raw(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
-
-    def decode(self, tokens: list[int]) -> str:
-        """The completion's text, decoded after a few prompt tokens (a sentencepiece word keeps its space)."""
-        if not self.context:
-            return self._decode_raw(tokens)
-        full = self._decode_raw(self.context + tokens)
-        return full[len(self.context_text):] if full.startswith(self.context_text) else self._decode_raw(tokens)
-
-    def add(self, tokens: Sequence[int]) -> str:
-        if self.stop is not None:
-            return ""
-        self.tokens.extend(tokens)
-        text = self.decode(self.tokens)
-        found = self._find_stop(text)
-        if found is not None:
-            position, self.stop = found
-            self.num_tokens = self._tokens_for(text[:position])
-            return self._advance(text[:position])
-        self.num_tokens = len(self.tokens)
-        return self._advance(text[: len(text) - self._held_back(text)])
-
-    def flush(self) -> str:
-        """Release the held-back text: no more tokens will come."""
-        if self.stop is not None:
-            return ""
-        return self._advance(self.decode(self.tokens))
-
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        start = max(0, len(self.text) - self.longest_stop + 1)  # an earlier match would have been found before
-        best = None
-        for stop in self.stops:
-            position = text.find(stop, start)
-            if position >= 0 and (best is None or position < best[0]):
-                best = (position, stop)
-        return best
-
-    def _held_back(self, text: str) -> int:
-        hold = len(text) - len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence waits for its rest
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:length]):
-                    hold = length
-                    break
-        return hold
-
-    def _tokens_for(self, text: str) -> int:
-        """The fewest tokens (a prefix of ``self.tokens``) whose decoding starts with ``text``."""
-        count = len(self.tokens)
-        while count > 0 and self.decode(self.tokens[: count - 1]).startswith(text):
-            count -= 1
-        return count
-
-    def _advance(self, text: str) -> str:
-        if text.startswith(self.text):
-            delta = text[len(self.text):]
-        else:  # decoding more tokens changed text already returned (rare): keep what was sent, go on after it
-            delta = text[len(self.text):] if len(text) > len(self.text) else ""
-        self.text += delta
-        return delta
-
-
-# ------------------------------------------------------------------------------------------------- metrics
-
-
-class Histogram:
-    """A Prometheus histogram with fixed buckets (upper bounds, seconds)."""
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.total, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
-        self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip([*map(_number, self.buckets), "+Inf"], self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{self.name}_sum {_number(self.total)}", f"{self.name}_count {self.count}"]
-        return lines
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
-
-
-class Metrics:
-    """Server-side counters and histograms; engine counters are read from ``engine.metrics()`` when rendered.
-    Updated on the event loop only, so no lock."""
-
-    def __init__(self) -> None:
-        self.http: dict[tuple[str, int], int] = {}
-        self.finished: dict[str, int] = {}  # per choice, by the finish reason the client saw ("abort": gone)
-        self.ttft = Histogram("verispec_time_to_first_token_seconds",
-                              "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
-        self.tpot = Histogram("verispec_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per choice.", TPOT_BUCKETS)
-        self.latency = Histogram("verispec_request_latency_seconds",
-                                 "Time from a request's arrival to its last token, per choice.", LATENCY_BUCKETS)
-
-    def count_http(self, endpoint: str, status: int) -> None:
-        self.http[(endpoint, status)] = self.http.get((endpoint, status), 0) + 1
-
-    def count_finish(self, reason: str) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-
-    def render(self, engine_metrics: dict, in_flight: int) -> str:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
-
-        requests = engine_metrics.get("requests_total", {}) or {}
-        metric("verispec_requests_total", "counter", "Engine requests finished, by status.",
-               [(f'{{status="{_label(s)}"}}', c) for s, c in sorted(requests.items())])
-        metric("verispec_completions_total", "counter",
-               "Choices returned to clients, by finish reason (abort: the client disconnected).",
-               [(f'{{finish_reason="{_label(r)}"}}', c) for r, c in sorted(self.finished.items())])
-        metric("verispec_http_requests_total", "counter", "HTTP requests, by endpoint and status code.",
-               [(f'{{endpoint="{_label(e)}",code="{s}"}}', c) for (e, s), c in sorted(self.http.items())])
-        draft, accepted = engine_metrics.get("draft_tokens", 0), engine_metrics.get("accepted_tokens", 0)
-        metric("verispec_tokens_generated_total", "counter", "Tokens generated by the engine.",
-               [("", engine_metrics.get("tokens_generated", 0))])
-        metric("verispec_draft_tokens_total", "counter", "Draft tokens proposed.", [("", draft)])
-        metric("verispec_accepted_tokens_total", "counter", "Draft tokens the target accepted.", [("", accepted)])
-        metric("verispec_acceptance_rate", "gauge", "Accepted / proposed draft tokens since the start.",
-               [("", accepted / draft if draft else 0.0)])
-        metric("verispec_batch_size", "gauge", "Rows in the engine's batch now.",
-               [("", engine_metrics.get("batch_size", 0))])
-        metric("verispec_requests_running", "gauge", "Engine requests running now.",
-               [("", engine_metrics.get("running", 0))])
-        metric("verispec_requests_waiting", "gauge", "Engine requests waiting to join the batch.",
-               [("", engine_metrics.get("waiting", 0))])
-        metric("verispec_server_requests_in_flight", "gauge",
-               "Engine requests submitted by this server and not finished yet.", [("", in_flight)])
-        for histogram in (self.ttft, self.tpot, self.latency):
-            out.extend(histogram.render())
-        return "\n".join(out) + "\n"
-
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 # ------------------------------------------------------------------------------------- one HTTP request
@@ -788,18 +605,6 @@ async def _watch_disconnect(request: Request, generation: Generation) -> None:
             return
 
 
-def default_eos_ids(tokenizer) -> list[int]:
-    """EOS ids from the tokenizer alone: its ``eos_token_id`` and the usual chat end tokens it knows."""
-    ids = set()
-    if isinstance(tokenizer.eos_token_id, int):
-        ids.add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        if token in vocab:
-            ids.add(vocab[token])
-    return sorted(ids)
-
-
 def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_token_ids: Sequence[int] | None = None,
                default_max_tokens: int | None = None) -> FastAPI:
     """The OpenAI-compatible app over a started ``engine``; the caller owns the engine (start and shutdown).
@@ -808,7 +613,7 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     (default: the tokenizer's EOS and chat end tokens). ``default_max_tokens``: when a request gives none
     (default: OpenAI's, 16 for completions and the rest of the context for chat).
     """
-    eos = default_eos_ids(tokenizer) if eos_token_ids is None else list(eos_token_ids)
+    eos = eos_token_ids(tokenizer) if eos_token_ids is None else list(eos_token_ids)
     server = Server(engine, tokenizer, model_name, max_context, eos, default_max_tokens)
     app = FastAPI(title="verispec", version=__version__)
     app.state.verispec = server
@@ -848,28 +653,27 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     return app
 
 
-def serve(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> int:
-    """``verispec serve``: load the models, start the engine, serve until interrupted."""
+def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_batch_size: int = 32, max_context: int | None = None, default_max_tokens: int | None = None,
+          log_level: str = "info", log: Callable[[str], None] | None = None) -> int:
+    """Serve ``decoder`` over HTTP until interrupted (``verispec serve`` after loading the models)."""
     import uvicorn
 
-    from .cli import build_decoder, eos_ids
     from .engine import Engine
 
     log = log or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
-    decoder, tokenizer = build_decoder(args, log)
-    max_context = decoder.max_positions or args.max_context
-    if max_context is None:
+    context = decoder.max_positions or max_context
+    if context is None:
         raise ValueError("the model does not say its maximum length; give --max-context")
-    if args.max_context is not None:
-        max_context = min(max_context, args.max_context)
-    engine = Engine(decoder, max_batch_size=args.max_batch_size)
-    app = create_app(engine, tokenizer, args.model_name or args.target, max_context,
-                     eos_token_ids=eos_ids(tokenizer, decoder.target_model), default_max_tokens=args.max_new_tokens)
+    if max_context is not None:
+        context = min(context, max_context)
+    engine = Engine(decoder, max_batch_size=max_batch_size)
+    app = create_app(engine, tokenizer, model_name, context,
+                     eos_token_ids=eos_token_ids(tokenizer, decoder.target_model), default_max_tokens=default_max_tokens)
     engine.start()
     try:
-        log(f"serving {args.model_name or args.target} on http://{args.host}:{args.port}/v1 "
-            f"(context {max_context}, batch up to {args.max_batch_size})")
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        log(f"serving {model_name} on http://{host}:{port}/v1 (context {context}, batch up to {max_batch_size})")
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
     return 0

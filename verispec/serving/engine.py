@@ -18,11 +18,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from .decoder import DecodeBatch, Row, SpeculativeDecoder, _row_seed
-from .gamma import CostModelGamma, HeuristicGamma
-from .sampling import SamplingParams
+from ..core.sampling import SamplingParams
+from ..core.streams import row_generator
+from ..decode import DecodeBatch, Row, SpeculativeDecoder
+from ..policy import CostModelGamma, HeuristicGamma
 
 
 @dataclass
@@ -111,7 +110,7 @@ class Engine:
         generator = None
         if not sampling.greedy:
             seed = request.seed if request.seed is not None else secrets.randbits(62)
-            generator = torch.Generator().manual_seed(_row_seed(seed, 0))  # = row 0 of generate(seed=seed)
+            generator = row_generator(seed, 0)  # = row 0 of generate(seed=seed)
         policy = self.decoder.gamma_policy
         if isinstance(policy, CostModelGamma) and request.seed is not None and not sampling.greedy:
             row_policy = HeuristicGamma()  # timings must not decide a seeded request's tokens

@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny_models import KINDS, build, prompt
 
-from verispec.adapters import CachedLM
-from verispec.drafters import left_pad, padded_positions
+from verispec.models.cache import CachedLM
+from verispec.models.cache import left_pad, padded_positions
 
 
 def fresh_logits(model, tokens: list[int]) -> torch.Tensor:

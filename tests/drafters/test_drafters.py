@@ -19,11 +19,10 @@ from verispec.drafters import (
     ModelDrafter,
     NGramDrafter,
     Proposal,
-    find_decoder_layers,
-    truncated_layers,
 )
-from verispec.fast import quantize_draft
-from verispec.sampling import SamplingParams, probs_from_logits
+from verispec.drafters.early_exit import find_decoder_layers, truncated_layers
+from verispec.models.fast import quantize_draft
+from verispec.core.sampling import SamplingParams, probs_from_logits
 
 # --- NGramDrafter.lookup ---------------------------------------------------------------------------------------
 

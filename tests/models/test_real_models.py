@@ -7,7 +7,7 @@ import torch
 
 from verispec import SpeculativeDecoder, zoo
 from verispec.drafters import NGramDrafter
-from verispec.fast import prepack_linears, quantize_draft
+from verispec.models.fast import prepack_linears, quantize_draft
 
 pytestmark = pytest.mark.slow
 

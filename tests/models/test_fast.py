@@ -1,4 +1,4 @@
-"""CPU fast paths (verispec.fast): pre-packed target linears keep the target's numerics up to float rounding;
+"""CPU fast paths (verispec.models.fast): pre-packed target linears keep the target's numerics up to float rounding;
 quantised drafts (int8 dynamic, int4 weight-only) are lossy by design but keep the output exact."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tiny_models import pair, prompt, reference_greedy
 from torch import nn
 
 from verispec import SpeculativeDecoder
-from verispec.fast import Int4Linear, PackedLinear, int4_supported, packing_supported, prepack_linears, quantize_draft
+from verispec.models.fast import Int4Linear, PackedLinear, int4_supported, packing_supported, prepack_linears, quantize_draft
 
 needs_int4 = pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no CPU int4 kernel")
 

@@ -1,0 +1,74 @@
+"""Drafters propose tokens for the target to verify. One small interface; the target's cache is not theirs.
+
+A drafter sees committed tokens (what the target emitted) and proposes up to ``k`` tokens per row. A
+stochastic drafter returns the distributions it sampled from (they enter the acceptance ratio); a
+deterministic one returns ``draft_probs=None`` and its tokens count as one-hot proposals. Any drafter keeps
+the output exact: the target decides.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..core.sampling import SamplingParams
+
+
+@dataclass
+class Proposal:
+    """What a drafter proposes for a batch of B rows and k positions."""
+
+    draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler
+    draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
+    draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
+    nonfinite_rows: torch.Tensor | None = None  # [B] bool, rows whose draft logits held NaN / inf
+
+
+class Drafter(ABC):
+    """Interface shared by every drafter."""
+
+    #: whether ``propose`` needs uniforms (a stochastic drafter sampling under temperature > 0)
+    needs_uniforms: bool = True
+    #: draft forward passes run so far (for telemetry)
+    calls: int = 0
+    #: per row, set by the decoder before ``propose``: a drafter that knows its own confidence stops a row's
+    #: block once the probability it gives the block so far falls below this (0 or None: never). Any
+    #: stopping rule that looks only at the draft keeps the output exact.
+    stop_below: list[float] | None = None
+
+    @abstractmethod
+    def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+              vocab_size: int) -> None:
+        """Begin a batch: one row per prompt, each sampled with its own params (or one for all);
+        ``vocab_size`` is the number of real token ids."""
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        """Append rows to the running batch (continuous batching)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot add rows to a running batch")
+
+    @abstractmethod
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+        """Propose ``num_draft_tokens`` (>= 1) tokens per row; ``uniforms`` is ``[B, k]`` float64 in [0, 1)
+        for stochastic drafting (None when every row is greedy; zeros on greedy rows)."""
+
+    @abstractmethod
+    def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        """Learn the outcome of the last step: per row, how many drafts were kept and the tokens committed
+        (accepted drafts plus the recovered/bonus token). Called after every step, also when k was 0."""
+
+    @abstractmethod
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep only ``rows`` (indices into the current batch)."""
+
+
+def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per row (a single one is shared by all rows)."""
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * batch_size
+    sampling = list(sampling)
+    if len(sampling) != batch_size:
+        raise ValueError(f"{len(sampling)} sampling params for {batch_size} rows")
+    return sampling

@@ -1,0 +1,127 @@
+"""Composite: prompt lookup where it matches, a draft model elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..core.sampling import SamplingParams
+from .base import Drafter, Proposal
+from .ngram import NGramDrafter, lookup_proposal
+
+
+class CompositeDrafter(Drafter):
+    """Prompt lookup (``primary``) for rows whose context it matches, ``fallback`` (typically a model) for the
+    others, in one proposal per step.
+
+    Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
+    ``draft_probs`` are one-hot, which is exactly the distribution a deterministic proposal was drawn from;
+    see ``verify.py``); the other rows propose the fallback's k tokens with the fallback's distributions.
+
+    Cost trade-off: when *some* rows match, the fallback still drafts for the whole batch (its k passes are
+    batched anyway, and it must keep in step). When *every* row matches, the fallback is skipped for that
+    step and costs nothing; it then catches up on the committed tokens in its next proposal (one wider
+    pass), which the ``Drafter`` contract allows (``update`` after a step it did not propose in).
+
+    Keeping the fallback's cache in sync: after a step, each row's fallback drafts that coincide with the
+    committed tokens are reported to it as accepted (capped so the last committed token stays pending), the
+    rest as rejected. For rows that used the fallback this is exactly the verifier's count; for lookup rows it
+    keeps whatever the fallback had cached correctly. Output stays exact in every case: the target decides.
+    """
+
+    def __init__(self, primary: NGramDrafter, fallback: Drafter) -> None:
+        self.primary, self.fallback = primary, fallback
+        self._fallback_ids: list[list[int]] | None = None  # the fallback's proposal this step, per row
+
+    @property
+    def calls(self) -> int:  # type: ignore[override]
+        return self.primary.calls + self.fallback.calls
+
+    @property
+    def needs_uniforms(self) -> bool:  # type: ignore[override]
+        return self.fallback.needs_uniforms
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
+        self.sampling, self.vocab_size = sampling, vocab_size
+        self.primary.start(prompts, sampling, vocab_size)
+        self.fallback.start(prompts, sampling, vocab_size)
+        self._fallback_ids = None
+        self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
+        self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
+
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+        found = [self.primary.lookup(h, num_draft_tokens) for h in self.primary.histories]  # [] = no match
+        lookup = [b for b, tokens in enumerate(found) if tokens]
+        self.lookup_rows += len(lookup)
+        if len(lookup) == len(found):
+            self.fallback_skipped += 1
+            return lookup_proposal(found)
+        proposal = self.fallback.propose(num_draft_tokens, uniforms)
+        batch_size, width = proposal.draft_ids.shape
+        lengths = (
+            torch.full((batch_size,), width, dtype=torch.long)
+            if proposal.draft_lengths is None
+            else proposal.draft_lengths.to("cpu", torch.long)
+        )  # [B]
+        self._fallback_ids = [row[:n].tolist() for row, n in zip(proposal.draft_ids.cpu(), lengths.tolist())]
+        if not lookup:
+            return proposal
+
+        device = proposal.draft_ids.device
+        width = max([width] + [len(found[b]) for b in lookup])  # a short fallback proposal must not cut lookups
+        draft_ids = _pad_columns(proposal.draft_ids, width, 0)  # [B, width]
+        draft_probs = proposal.draft_probs  # [B, k', V] or None
+        if draft_probs is not None:
+            draft_probs = _pad_columns(draft_probs, width, 0.0)  # [B, width, V]
+        lengths = lengths.clone()
+        for b in lookup:
+            tokens = torch.tensor(found[b], dtype=torch.long, device=device)  # [n]
+            draft_ids[b, : len(tokens)] = tokens
+            lengths[b] = len(tokens)
+            if draft_probs is not None:  # one-hot: the law a deterministic proposal is drawn from
+                draft_probs[b, : len(tokens)] = 0.0
+                draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
+        nonfinite = proposal.nonfinite_rows
+        if nonfinite is not None:
+            nonfinite = nonfinite.clone()
+            nonfinite[torch.tensor(lookup, device=nonfinite.device)] = False  # their model drafts were not used
+        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device),
+                        nonfinite_rows=nonfinite)
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        self.primary.add_rows(prompts, sampling)
+        self.fallback.add_rows(prompts, sampling)
+
+    def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        self.primary.update(num_accepted, new_tokens)
+        if self._fallback_ids is None:  # the fallback did not propose this step
+            self.fallback.update([0] * len(new_tokens), new_tokens)
+            return
+        own_accepted = [
+            min(_common_prefix(drafts, tokens), len(tokens) - 1)
+            for drafts, tokens in zip(self._fallback_ids, new_tokens)
+        ]
+        self.fallback.update(own_accepted, new_tokens)
+        self._fallback_ids = None
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.primary.select_rows(rows)
+        self.fallback.select_rows(rows)
+
+
+def _pad_columns(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """A copy of ``values`` ([B, k, ...]) padded with ``fill`` to ``width`` columns along dim 1."""
+    if values.shape[1] >= width:
+        return values.clone()
+    pad = values.new_full((values.shape[0], width - values.shape[1], *values.shape[2:]), fill)
+    return torch.cat([values, pad], dim=1)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
