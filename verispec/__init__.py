@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .core.sampling import SamplingParams  # noqa: E402
 from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder  # noqa: E402
 from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal  # noqa: E402
-from .models import load, zoo  # noqa: E402
+from .models import LoadError, eos_token_ids, load, zoo  # noqa: E402
 from .telemetry import GenerationStats  # noqa: E402
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "EarlyExitDrafter",
     "GenerateOutput",
     "GenerationStats",
+    "LoadError",
     "ModelDrafter",
     "NGramDrafter",
     "NonFiniteLogitsError",
@@ -21,6 +22,7 @@ __all__ = [
     "SamplingParams",
     "SpeculativeDecoder",
     "__version__",
+    "eos_token_ids",
     "load",
     "zoo",
 ]

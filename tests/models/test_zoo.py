@@ -1,9 +1,9 @@
-"""Tests for verispec.models.zoo.
+"""Tests for verispec.models.zoo (the table, installing and resolving) and verispec.models.integrity (assembly,
+verification, markers).
 
-All tests but the one marked ``slow`` run offline in a temp cache and need no
-download: they assemble fake parts, fake installed part packages, and a tiny
-random-weight Llama saved with ``save_pretrained`` plus a word-level tokenizer
-built with the ``tokenizers`` library.
+All tests but the one marked ``slow`` run offline in a temp cache and need no download: they assemble fake
+parts and fake installed part packages. Loading real checkpoints by path or Hub id is tested in
+``test_loading.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from verispec import zoo
+from verispec.models import integrity
 from verispec.models.zoo import ZOO, ZooEntry, ZooError
 
 # ------------------------------------------------------------------ helpers
@@ -47,14 +48,14 @@ def _forbid_hashing(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(path: Path) -> str:
         raise AssertionError(f"unexpected rehash of {path}")
 
-    monkeypatch.setattr(zoo, "_hash_file", boom)
+    monkeypatch.setattr(integrity, "_hash_file", boom)
 
 
 # ----------------------------------------------------------------- assembly
 
 
 def test_assemble_concatenates_in_order_and_writes_marker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(zoo, "_CHUNK", 7)  # force many blocks per part: exercises the streaming loop
+    monkeypatch.setattr(integrity, "_CHUNK", 7)  # force many blocks per part: exercises the streaming loop
     parts, blob = _make_parts(tmp_path / "parts", [100, 1, 0, 57])
     dest = tmp_path / "out" / "model.gguf"
     msgs: list[str] = []
@@ -106,7 +107,7 @@ def test_verify_uses_marker_and_rehashes_when_stale(tmp_path: Path, monkeypatch:
     marker = tmp_path / "m.verified.json"
     zoo.assemble_gguf(parts, dest, len(blob), _sha(blob), marker=marker)
 
-    real_hash = zoo._hash_file
+    real_hash = integrity._hash_file
     _forbid_hashing(monkeypatch)
     # Fresh marker: size re-checked, no rehash.
     assert zoo.verify_gguf(dest, len(blob), _sha(blob), marker=marker) == dest
@@ -115,7 +116,7 @@ def test_verify_uses_marker_and_rehashes_when_stale(tmp_path: Path, monkeypatch:
     st = dest.stat()
     os.utime(dest, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     calls: list[Path] = []
-    monkeypatch.setattr(zoo, "_hash_file", lambda p: calls.append(p) or real_hash(p))
+    monkeypatch.setattr(integrity, "_hash_file", lambda p: calls.append(p) or real_hash(p))
     zoo.verify_gguf(dest, len(blob), _sha(blob), marker=marker)
     assert calls == [dest]
     assert json.loads(marker.read_text())["mtime_ns"] == dest.stat().st_mtime_ns
@@ -219,7 +220,7 @@ def test_resolve_installs_assembles_then_reuses(tmp_path: Path, monkeypatch: pyt
     assert gguf.stat().st_mtime_ns == mtime
 
     # A damaged cached file is reported (with the file to delete), never loaded or silently rebuilt.
-    monkeypatch.setattr(zoo, "_hash_file", lambda p: "0" * 64)
+    monkeypatch.setattr(integrity, "_hash_file", lambda p: "0" * 64)
     os.utime(gguf, ns=(mtime, mtime + 1_000_000_000))
     with pytest.raises(ZooError, match=r"sha256 mismatch[\s\S]*delete .*fake\.gguf"):
         zoo.resolve_gguf(entry.name, cache=cache)
@@ -350,63 +351,6 @@ def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None
     assert zoo.cache_root() == tmp_path / "c"
     monkeypatch.delenv("VERISPEC_CACHE")
     assert zoo.cache_root() == Path.home() / ".cache" / "verispec"
-
-
-# --------------------------------------------------- tiny HF model folder
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    words = ["<unk>", "<s>", "</s>", "def", "return", "x", "(", ")", ":", "+", "1", "hello", "world"]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    hf_tok.save_pretrained(folder)
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(words),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
-def test_load_tiny_hf_dir(tiny_hf_dir: Path, tmp_path: Path) -> None:
-    msgs: list[str] = []
-    model, tok = zoo.load(str(tiny_hf_dir), dtype="bf16", progress=msgs.append, cache=tmp_path)
-    assert model.dtype == torch.bfloat16
-    assert not model.training
-    ids = tok("def x ( ) : return x + 1", return_tensors="pt")["input_ids"]
-    assert ids.tolist() == [[3, 5, 6, 7, 8, 4, 5, 9, 10]]
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2)
-    assert out.shape[1] <= ids.shape[1] + 3 and out[0, : ids.shape[1]].tolist() == ids[0].tolist()
-    assert any("loading weights" in m for m in msgs)
-    assert not any(tmp_path.iterdir())  # an HF folder needs no cache
-
-
-def test_load_tiny_hf_dir_without_tokenizer(tiny_hf_dir: Path, tmp_path: Path) -> None:
-    import shutil
-
-    bare = tmp_path / "bare"
-    bare.mkdir()
-    for f in tiny_hf_dir.iterdir():
-        if f.name in ("config.json", "model.safetensors", "generation_config.json"):
-            shutil.copy(f, bare / f.name)
-    with pytest.raises(ZooError, match="tokenizer"):
-        zoo.load(str(bare), cache=tmp_path)
 
 
 # --------------------------------------------------------- real model (slow)

@@ -1,97 +1,147 @@
 """Build a decoder from model names: the one factory the library, the CLI and the server share.
 
-``load(target, draft)`` accepts zoo names (``verispec.models.zoo``), Hugging Face model folders and ``.gguf``
-files, and applies the CPU fast paths (pre-packed target, int4 draft) that the benchmarks measure.
+``load(target, draft)`` accepts zoo names, Hugging Face model folders, ``.gguf`` files and Hub ids
+(``owner/name``; see ``sources``), and applies the CPU fast paths (pre-packed target, int4 draft) that the
+benchmarks measure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
 from typing import TYPE_CHECKING, Any
 
-from . import zoo
+import torch
+
 from .fast import int4_supported, prepack_linears, quantize_draft
+from .integrity import Progress, ZooError, say
+from .sources import load_pretrained, parse_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from ..decode import SpeculativeDecoder
 
-Progress = Callable[[str], None]
+__all__ = ["LoadError", "check_same_tokenizer", "load", "load_model"]
+
+DRAFT_QUANTS = ("int4", "int8", "none")
 
 
 class LoadError(ValueError):
-    """A model could not be loaded, or two models cannot be paired; the message says why."""
+    """A model could not be loaded, or two models cannot be paired; the message says why in one line."""
 
 
-def load_model(name_or_path: str, dtype: str | None = None, device: str = "cpu",
-               progress: Progress | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """One model and its tokenizer by zoo name or path; loader errors become one-line ``LoadError``s."""
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype`` as a torch dtype (None: float32, what GGUF weights are dequantised to by default)."""
     try:
-        return zoo.load(name_or_path, dtype=dtype or "float32", device=device, progress=progress)
-    except (zoo.ZooError, ValueError, OSError) as error:
+        return parse_dtype("float32" if dtype is None else dtype)
+    except ValueError as error:
+        raise LoadError(str(error)) from error
+
+
+def _device(device: str | torch.device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise LoadError(f"unknown device {device!r}: {error}") from error
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+               progress: Progress | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """One model (eval mode, on ``device``) and its tokenizer by zoo name, path or Hub id; ``dtype`` None means
+    float32. Every loader error becomes a ``LoadError`` naming the model."""
+    torch_dtype = _dtype(dtype)
+    try:
+        return load_pretrained(name_or_path, dtype=torch_dtype, device=str(_device(device)), progress=progress)
+    except (ZooError, ValueError, OSError) as error:
         raise LoadError(f"cannot load model {name_or_path!r}: {error}") from error
 
 
-def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+def check_same_tokenizer(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> None:
     """Speculative decoding needs one vocabulary; refuse tokenizers that map text differently."""
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
-        raise LoadError(
-            f"target and draft tokenizers differ ({len(target_tokenizer)} vs {len(draft_tokenizer)} tokens); "
-            "pick a draft from the same model family"
-        )
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t))
+    raise LoadError(
+        f"target and draft tokenizers differ ({len(target_tokenizer)} vs {len(draft_tokenizer)} tokens, "
+        f"{len(differing)} map differently, e.g. {differing[:3]}); pick a draft from the same model family"
+    )
 
 
-def eos_token_ids(tokenizer, model: PreTrainedModel | None = None) -> list[int]:
-    """Where generation stops: the tokenizer's EOS, the model's generation config EOS ids, and the chat end
-    tokens the tokenizer knows."""
-    ids: set[int] = set()
-    sources: list[Any] = [tokenizer.eos_token_id]
-    if model is not None:
-        sources.append(getattr(model.generation_config, "eos_token_id", None))
-    for source in sources:
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(t for t in source if isinstance(t, int))
-    vocab = tokenizer.get_vocab()
-    for token in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        if token in vocab:
-            ids.add(vocab[token])
-    return sorted(ids)
+def _check_decoder_options(options: dict[str, Any]) -> None:
+    """Refuse bad ``SpeculativeDecoder`` options before minutes of loading, not after."""
+    from ..decode import SpeculativeDecoder
+    from ..policy import make_gamma_policy
+
+    reserved = {"target_model", "draft_model", "drafter"} & options.keys()
+    if reserved:
+        raise TypeError(f"load() chooses {', '.join(sorted(reserved))} itself: name the draft with `draft=`")
+    try:
+        inspect.signature(SpeculativeDecoder).bind_partial(None, **options)
+    except TypeError as error:
+        raise TypeError(f"unknown SpeculativeDecoder option: {error}") from None
+    if "num_draft_tokens" in options:
+        make_gamma_policy(options["num_draft_tokens"])  # raises ValueError for a bad value
 
 
-def load(target: str, draft: str | None = None, *, device: str = "cpu", dtype: str | None = None,
-         fast: bool = True, draft_quant: str = "int4", progress: Progress | None = None,
-         **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
+def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progress | None) -> PreTrainedModel:
+    """The draft as the decoder will run it: quantised on a CPU (int4 where ATen's kernel can run, else int8),
+    else pre-packed where that is supported."""
+    on_cpu = next(draft_model.parameters()).device.type == "cpu"
+    if on_cpu and draft_quant != "none":
+        bits = 4 if draft_quant == "int4" and int4_supported(draft_model) else 8
+        say(progress, f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
+        return quantize_draft(draft_model, bits=bits)
+    if prepack_linears(draft_model):
+        say(progress, "draft: linear layers pre-packed for this CPU (same dtype)")
+    return draft_model
+
+
+def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
+         progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
-    ``draft``: a model name or path, ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target alone).
-    ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products) and quantise a draft
-    model to ``draft_quant`` (``"int4"``, ``"int8"`` or ``"none"``); drafts may be lossy, the target decides
-    every token. ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``).
+    ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
+    a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
+    ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
+    alone). ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
+    it. ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products: its output is its
+    own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4
+    kernel cannot run, ``"int8"`` or ``"none"``); a lossy draft costs acceptance, never exactness, since the
+    target decides every token. ``progress(message)`` receives one line per loading step.
+    ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``, ``vocab_size``,
+    default ``len(tokenizer)``).
+
+    ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
+    ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
+
+    Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device, a model that cannot be found or loaded,
+    and a draft whose tokenizer differs from the target's; ``ValueError`` for a bad ``draft_quant`` or
+    ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options are checked before any model
+    is loaded.
     """
     from ..decode import SpeculativeDecoder
     from ..drafters import NGramDrafter
 
-    say = progress or (lambda message: None)
-    if draft_quant not in ("int4", "int8", "none"):
-        raise ValueError(f"draft_quant must be 'int4', 'int8' or 'none', got {draft_quant!r}")
-    target_model, tokenizer = load_model(target, dtype, device, progress)
+    if draft_quant not in DRAFT_QUANTS:
+        raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
+    torch_dtype, torch_device = _dtype(dtype), _device(device)
+    _check_decoder_options(decoder_options)
+
+    say(progress, f"target: {target}")
+    target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
     if fast and prepack_linears(target_model):
-        say("target: linear layers pre-packed for this CPU (same dtype)")
+        say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
     drafter, draft_model = None, None
     if draft == "ngram":
         drafter = NGramDrafter()
     elif draft not in (None, "none"):
-        draft_model, draft_tokenizer = load_model(draft, dtype, device, progress)
+        say(progress, f"draft: {draft}")
+        draft_model, draft_tokenizer = load_model(draft, torch_dtype, torch_device, progress)
         check_same_tokenizer(tokenizer, draft_tokenizer)
-        if fast and device == "cpu" and draft_quant != "none":
-            bits = 4 if draft_quant == "int4" and int4_supported(draft_model) else 8
-            draft_model = quantize_draft(draft_model, bits=bits)
-            say(f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
-        elif fast and prepack_linears(draft_model):
-            say("draft: linear layers pre-packed")
+        if fast:
+            draft_model = _fast_draft(draft_model, draft_quant, progress)
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
     return decoder, tokenizer
