@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import verispec
 from verispec import SpeculativeDecoder, zoo
 from verispec.drafters import NGramDrafter
 from verispec.models.fast import prepack_linears, quantize_draft
@@ -14,10 +15,11 @@ pytestmark = pytest.mark.slow
 CODE_PROMPT = "def fibonacci(n: int) -> int:\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
 
 
-def hf_greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
+def hf_greedy(model, ids: list[int], n: int, eos: int | list[int]) -> list[int]:
+    pad = eos if isinstance(eos, int) else eos[0]
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos,
-                             pad_token_id=eos)
+                             pad_token_id=pad)
     return out[0, len(ids):].tolist()
 
 
@@ -43,6 +45,20 @@ def test_qwen_pair_greedy_and_packed_target_equal_transformers() -> None:
     reference = hf_greedy(target, ids, 24, eos)
     prepack_linears(target)
     decoder = SpeculativeDecoder(target, quantize_draft(draft), num_draft_tokens="auto", vocab_size=len(tokenizer))
+    out = decoder.generate([ids], max_new_tokens=24, eos_token_id=eos)
+    assert out.tokens[0] == reference
+    assert out.stats.acceptance_rate > 0.6
+
+
+def test_qwen_pair_through_the_factory_equals_transformers() -> None:
+    """The README's API path: ``verispec.load`` (pre-packed target, int4 draft) and its EOS ids."""
+    target, tokenizer = zoo.load("qwen2.5-coder-1.5b")
+    eos = verispec.eos_token_ids(tokenizer, target)
+    assert tokenizer.convert_ids_to_tokens(eos) == ["<|endoftext|>", "<|im_end|>"]  # what generation_config.json lists
+    ids = tokenizer(CODE_PROMPT)["input_ids"]
+    reference = hf_greedy(target, ids, 24, eos)
+    del target  # one fp32 copy of the target at a time
+    decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
     out = decoder.generate([ids], max_new_tokens=24, eos_token_id=eos)
     assert out.tokens[0] == reference
     assert out.stats.acceptance_rate > 0.6
