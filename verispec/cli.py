@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from . import __version__
 from .models import eos_token_ids
+from .serving.detokenize import TextState
 
 DEMO_PROMPT = (
     "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
@@ -59,22 +60,31 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 class TextStream:
-    """Prints decoded text as tokens arrive (decoding the whole output each time keeps multi-byte
-    characters intact)."""
+    """Writes a completion's text as its tokens arrive (``generate``'s ``on_tokens``); ``close()`` writes the
+    rest and returns the whole text. Without ``out`` it only collects the text."""
 
-    def __init__(self, tokenizer, out=None) -> None:
-        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
-        self.tokens: list[int] = []
-        self.printed = ""
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None) -> None:
+        self.state, self.out = TextState(tokenizer, prompt_ids), out
 
     def __call__(self, row: int, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest
-            return
-        self.out.write(text[len(self.printed) :])
-        self.out.flush()
-        self.printed = text
+        self._write(self.state.add(tokens))
+
+    def close(self) -> str:
+        self._write(self.state.flush())
+        return self.state.text
+
+    def _write(self, text: str) -> None:
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def generate_streamed(decoder, tokenizer, prompt_ids: list[int], out, **options):
+    """``decoder.generate`` on one prompt, its text written to ``out`` (if given) as the tokens come; returns
+    the output and the whole text."""
+    stream = TextStream(tokenizer, prompt_ids, out)
+    result = decoder.generate([prompt_ids], on_tokens=stream, **options)
+    return result, stream.close()
 
 
 def read_prompt(args: argparse.Namespace) -> str:
@@ -92,22 +102,20 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    text = read_prompt(args)
+    prompt = read_prompt(args)
     decoder, tokenizer = build_decoder(args, _log if not args.json else (lambda m: None))
-    prompt_ids = encode_prompt(tokenizer, text, args.chat)
-    stream = None if args.json else TextStream(tokenizer)
+    prompt_ids = encode_prompt(tokenizer, prompt, args.chat)
     started = time.perf_counter()
-    out = decoder.generate(
-        [prompt_ids], max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, eos_token_id=eos_token_ids(tokenizer, decoder.target_model), seed=args.seed,
-        on_tokens=stream,
+    out, text = generate_streamed(
+        decoder, tokenizer, prompt_ids, None if args.json else sys.stdout, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_token_id=eos_token_ids(tokenizer, decoder.target_model), seed=args.seed,
     )
     wall = time.perf_counter() - started
     stats = out.stats
     if args.json:
         print(json.dumps({
-            "prompt_tokens": len(prompt_ids), "tokens": out.tokens[0],
-            "text": tokenizer.decode(out.tokens[0], skip_special_tokens=True),
+            "prompt_tokens": len(prompt_ids), "tokens": out.tokens[0], "text": text,
             "finish_reason": out.finish_reasons[0], "seed": out.seed, "wall_time_s": wall,
             "tokens_per_second": len(out.tokens[0]) / wall if wall > 0 else 0.0, "stats": stats.to_dict(),
         }))
@@ -131,10 +139,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _log("warm-up pass")
     decoder.generate([prompt_ids], max_new_tokens=4, draft=None)
     _log("target alone (greedy):")
-    alone = decoder.generate([prompt_ids], draft=None, on_tokens=TextStream(tokenizer), **common)
+    alone, _ = generate_streamed(decoder, tokenizer, prompt_ids, sys.stdout, draft=None, **common)
     print()
     _log(f"speculative (greedy, draft length {decoder.num_draft_tokens}):")
-    spec = decoder.generate([prompt_ids], on_tokens=TextStream(tokenizer), **common)
+    spec, _ = generate_streamed(decoder, tokenizer, prompt_ids, sys.stdout, **common)
     print()
     same = alone.tokens == spec.tokens
     speedup = alone.stats.total_time_s / spec.stats.total_time_s

@@ -1,99 +1,170 @@
-"""Incremental detokenisation with stop strings, shared by the CLI and the server."""
+"""Incremental detokenisation with stop strings: the one detokeniser of the CLI and the server.
+
+``IncrementalDecoder`` turns a token stream into text a few tokens at a time: every token decodes a short
+window (the tokens of the previous piece plus the new ones) and the new text is the window's text past the
+previous piece's text. Decoding the previous piece again is what keeps a sentencepiece word's leading space
+and a multi-byte character split over several tokens right; decoding only a window keeps the work per token
+constant, so a long completion costs linear time, and text once returned is never decoded again, so it can
+never change after it was sent.
+
+``TextState`` adds stop strings and token counting on top, for one completion choice.
+"""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
-# ---------------------------------------------------------------------------------------- incremental text
-
-
 CONTEXT_TOKENS = 4  # prompt tokens decoded before the completion, so its first word keeps its leading space
+REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a whole UTF-8 character
+
+
+class IncrementalDecoder:
+    """The text of a stream of token ids, returned piece by piece as it becomes final.
+
+    The concatenated pieces (``push`` for every token, then ``flush``) equal the tokenizer's decoding of
+    the context and all tokens, minus the context's own text, for any tokenizer whose decoding of a token
+    sequence starts with its decoding of every prefix that ends on a whole character (byte-level BPE,
+    sentencepiece with byte fallback, word-level). Decoding skips special tokens and never applies the
+    tokenizer's optional clean-up of spaces before punctuation: that clean-up would rewrite text already
+    sent when the next token arrives.
+    """
+
+    def __init__(self, tokenizer, context_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        context = list(context_ids[-CONTEXT_TOKENS:])
+        if self.decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character: no context
+            context = []
+        self.context, self.context_text = context, self.decode(context)
+        self._window = list(context)  # ids from the start of the previous piece on (the context at first)
+        self._read = len(context)  # ids of the window before this index have been returned as text
+        self._read_text = self.context_text  # the window's text up to ``_read``
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def text_of(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` decoded at once after the context: what the pieces join to."""
+        text = self.decode(self.context + list(token_ids))
+        return text[len(self.context_text):] if text.startswith(self.context_text) else self.decode(token_ids)
+
+    def push(self, token: int) -> str:
+        """Add one token; return the text that became final with it (often all of its text, or nothing)."""
+        self._window.append(token)
+        text = self.decode(self._window)
+        # A window ending in U+FFFD may end inside a character whose other bytes are still to come, and a
+        # window no longer than the returned part has added nothing yet (a special token): wait.
+        if len(text) <= len(self._read_text) or text.endswith(REPLACEMENT):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character shows as U+FFFD): no more tokens will come."""
+        text = self.decode(self._window)
+        return self._advance(text) if len(text) > len(self._read_text) else ""
+
+    def _advance(self, text: str) -> str:
+        piece = text[len(self._read_text):]
+        # The next window starts at this piece's first token: the window is a few tokens long, whatever
+        # the length of the completion.
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        self._read_text = self.decode(self._window)
+        return piece
 
 
 class TextState:
-    """Incremental detokenisation of one choice, with stop strings.
+    """Incremental detokenisation of one completion choice, with stop strings.
 
     ``add(tokens)`` returns the text that became final with those tokens, ``flush()`` the rest once the
     engine has finished. Stop strings are searched in the decoded text, so one that spans several tokens or
     lies inside a block of accepted drafts is found wherever it falls; the text ends just before it. Until
-    then, a suffix of the text that could be the start of a stop string (and an incomplete UTF-8 character)
-    is held back, so streamed pieces never have to be taken back. ``num_tokens`` counts the tokens the
-    returned text needs: all tokens received (EOS included), or after a stop string the fewest tokens whose
-    decoding covers the returned text.
+    then, a suffix of the text that could be the start of a stop string (and an unfinished UTF-8 character)
+    is held back, so streamed pieces never have to be taken back: the pieces returned always join to
+    ``text``. ``num_tokens`` counts the tokens the returned text needs: all tokens received (EOS included),
+    or after a stop string the fewest tokens whose decoding covers the returned text.
     """
 
-    def __init__(self, tokenizer, context_ids: Sequence[int], stops: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = tuple(stops)
+    def __init__(self, tokenizer, context_ids: Sequence[int] = (), stops: Sequence[str] = ()) -> None:
+        self.stops = tuple(s for s in stops if s)
         self.longest_stop = max((len(s) for s in self.stops), default=0)
-        context = list(context_ids[-CONTEXT_TOKENS:])
-        context_text = self._decode_raw(context)
-        if "\ufffd" in context_text:  # the context ends inside a character: decode the completion alone
-            context, context_text = [], ""
-        self.context, self.context_text = context, context_text
-        self.tokens: list[int] = []
+        self._decoder = IncrementalDecoder(tokenizer, context_ids)
         self.text = ""  # the text returned so far
+        self._held = ""  # decoded after ``text`` but not returned: it could be the start of a stop string
+        self._tokens: list[int] = []  # with stop strings: every token, to count those a cut text needs
+        self._covered: list[int] = []  # with stop strings: len(text + held) after each token
+        self._received = 0
         self.stop: str | None = None  # the stop string that ended the text
         self.num_tokens = 0
-
-    def _decode_raw(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
-
-    def decode(self, tokens: list[int]) -> str:
-        """The completion's text, decoded after a few prompt tokens (a sentencepiece word keeps its space)."""
-        if not self.context:
-            return self._decode_raw(tokens)
-        full = self._decode_raw(self.context + tokens)
-        return full[len(self.context_text):] if full.startswith(self.context_text) else self._decode_raw(tokens)
 
     def add(self, tokens: Sequence[int]) -> str:
         if self.stop is not None:
             return ""
-        self.tokens.extend(tokens)
-        text = self.decode(self.tokens)
-        found = self._find_stop(text)
-        if found is not None:
-            position, self.stop = found
-            self.num_tokens = self._tokens_for(text[:position])
-            return self._advance(text[:position])
-        self.num_tokens = len(self.tokens)
-        return self._advance(text[: len(text) - self._held_back(text)])
+        returned = len(self.text)
+        for token in tokens:
+            self._received += 1
+            piece = self._decoder.push(token)
+            self._held += piece
+            if self.stops:
+                self._tokens.append(token)
+                self._covered.append(len(self.text) + len(self._held))
+                if piece and self._found_stop(len(piece)):
+                    return self.text[returned:]
+        self.num_tokens = self._received
+        self._release(len(self._held) - self._stop_prefix_length())
+        return self.text[returned:]
 
     def flush(self) -> str:
         """Release the held-back text: no more tokens will come."""
         if self.stop is not None:
             return ""
-        return self._advance(self.decode(self.tokens))
+        returned = len(self.text)
+        piece = self._decoder.flush()
+        self._held += piece
+        if not (self.stops and piece and self._found_stop(len(piece))):
+            self._release(len(self._held))
+        return self.text[returned:]
 
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        start = max(0, len(self.text) - self.longest_stop + 1)  # an earlier match would have been found before
-        best = None
+    def _found_stop(self, new: int) -> bool:
+        """Search the held text for the stop string that is complete first (the earliest end; of two ending
+        together, the longer): the text then does not depend on how the tokens were grouped into blocks. One
+        can only end inside the ``new`` last characters (an earlier one would have been found before). On a
+        match, end the text before it."""
+        start = max(0, len(self._held) - new - self.longest_stop + 1)
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stops:
-            position = text.find(stop, start)
-            if position >= 0 and (best is None or position < best[0]):
-                best = (position, stop)
-        return best
+            position = self._held.find(stop, start)
+            if position >= 0 and (best is None or (position + len(stop), position) < best[:2]):
+                best = (position + len(stop), position, stop)
+        if best is None:
+            return False
+        _, position, self.stop = best
+        self._release(position)
+        self._held = ""
+        self.num_tokens = self._fewest_tokens()
+        return True
 
-    def _held_back(self, text: str) -> int:
-        hold = len(text) - len(text.rstrip("\ufffd"))  # an incomplete UTF-8 sequence waits for its rest
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:length]):
-                    hold = length
-                    break
-        return hold
-
-    def _tokens_for(self, text: str) -> int:
-        """The fewest tokens (a prefix of ``self.tokens``) whose decoding starts with ``text``."""
-        count = len(self.tokens)
-        while count > 0 and self.decode(self.tokens[: count - 1]).startswith(text):
+    def _fewest_tokens(self) -> int:
+        """The fewest tokens whose decoding starts with the returned text. The first token after which that
+        much text was final bounds it; an earlier one may already end the text, beside the first bytes of a
+        character that a later token completes."""
+        if not self.text:
+            return 0
+        count = min(bisect_left(self._covered, len(self.text)) + 1, self._received)
+        while count > 1 and self._decoder.text_of(self._tokens[: count - 1]).startswith(self.text):
             count -= 1
         return count
 
-    def _advance(self, text: str) -> str:
-        if text.startswith(self.text):
-            delta = text[len(self.text):]
-        else:  # decoding more tokens changed text already returned (rare): keep what was sent, go on after it
-            delta = text[len(self.text):] if len(text) > len(self.text) else ""
-        self.text += delta
-        return delta
+    def _stop_prefix_length(self) -> int:
+        """The longest suffix of the held text that is the start of a stop string (but not a whole one)."""
+        for length in range(min(self.longest_stop - 1, len(self._held)), 0, -1):
+            tail = self._held[-length:]
+            if any(stop.startswith(tail) for stop in self.stops):
+                return length
+        return 0
+
+    def _release(self, count: int) -> None:
+        self.text += self._held[:count]
+        self._held = self._held[count:]

@@ -1,99 +1,117 @@
-"""Prometheus metrics of the server and its engine."""
+"""Prometheus metrics of the server and its engine (``prometheus_client``, one registry per app).
+
+Counters of finished engine requests and their speculative telemetry are counted from each request's
+``FinishEvent`` (on the engine thread: ``prometheus_client`` is thread-safe); the engine's batch is read
+when the metrics are scraped; HTTP and client-side counts and the latency histograms are counted by the app.
+The speculative counters follow vLLM's: drafts (blocks of draft tokens: a request's target passes that
+scored at least one draft), draft tokens, accepted tokens, and accepted tokens per draft position (0: the
+first draft of a block), so that ``accepted_per_position[i] / drafts`` is the chance that draft i is kept.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # the text format every Prometheus version reads
 
 
-# ------------------------------------------------------------------------------------------------- metrics
+class _EngineCollector:
+    """The engine's batch as gauges, read once per scrape. ``verispec_batch_size`` and
+    ``verispec_requests_running`` are one number (rows in the batch are the requests running), kept under
+    both names for dashboards that use either."""
 
+    def __init__(self, engine_metrics: Callable[[], Mapping]) -> None:
+        self.engine_metrics = engine_metrics
 
-class Histogram:
-    """A Prometheus histogram with fixed buckets (upper bounds, seconds)."""
+    def collect(self) -> Iterator[Metric]:
+        metrics = self.engine_metrics()
+        running = metrics.get("running", metrics.get("batch_size", 0))
+        yield GaugeMetricFamily("verispec_batch_size", "Rows in the engine's batch now.", value=running)
+        yield GaugeMetricFamily("verispec_requests_running", "Engine requests running now (= the batch size).",
+                                value=running)
+        yield GaugeMetricFamily("verispec_requests_waiting", "Engine requests waiting to join the batch.",
+                                value=metrics.get("waiting", 0))
 
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name, self.help_text, self.buckets = name, help_text, tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.total, self.count = 0.0, 0
-
-    def observe(self, value: float) -> None:
-        index = next((i for i, bound in enumerate(self.buckets) if value <= bound), len(self.buckets))
-        self.counts[index] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip([*map(_number, self.buckets), "+Inf"], self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {cumulative}')
-        lines += [f"{self.name}_sum {_number(self.total)}", f"{self.name}_count {self.count}"]
-        return lines
-
-
-def _number(value: float) -> str:
-    return repr(float(value)) if isinstance(value, float) else str(value)
+    def describe(self) -> list[Metric]:  # registering must not scrape the engine
+        return []
 
 
 class Metrics:
-    """Server-side counters and histograms; engine counters are read from ``engine.metrics()`` when rendered.
-    Updated on the event loop only, so no lock."""
+    """Every metric of one app, in its own ``CollectorRegistry`` (two apps in one process never share
+    counts). ``engine_metrics()`` is the engine's snapshot (``running``, ``waiting``); ``in_flight()`` the
+    engine requests the server submitted that have not finished."""
 
-    def __init__(self) -> None:
-        self.http: dict[tuple[str, int], int] = {}
-        self.finished: dict[str, int] = {}  # per choice, by the finish reason the client saw ("abort": gone)
+    def __init__(self, engine_metrics: Callable[[], Mapping], in_flight: Callable[[], int]) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("verispec_requests_total", "Engine requests finished, by status.", ["status"],
+                                registry=registry)
+        self.completions = Counter(
+            "verispec_completions_total",
+            "Choices returned to clients, by finish reason (abort: the client disconnected).", ["finish_reason"],
+            registry=registry)
+        self.http = Counter("verispec_http_requests_total", "HTTP requests, by endpoint and status code.",
+                            ["endpoint", "code"], registry=registry)
+        self.tokens_generated = Counter("verispec_tokens_generated_total", "Tokens generated by the engine.",
+                                        registry=registry)
+        self.drafts = Counter("verispec_drafts_total", "Blocks of draft tokens scored by the target.",
+                              registry=registry)
+        self.draft_tokens = Counter("verispec_draft_tokens_total", "Draft tokens proposed.", registry=registry)
+        self.accepted_tokens = Counter("verispec_accepted_tokens_total", "Draft tokens the target accepted.",
+                                       registry=registry)
+        self.accepted_per_position = Counter(
+            "verispec_accepted_tokens_per_position_total",
+            "Draft tokens accepted at each position of their block (0: the first draft).", ["position"],
+            registry=registry)
+        self._totals_lock = threading.Lock()
+        self._draft_total = self._accepted_total = 0  # for the acceptance-rate gauge
+        Gauge("verispec_acceptance_rate", "Accepted / proposed draft tokens since the start.",
+              registry=registry).set_function(self._acceptance_rate)
+        Gauge("verispec_server_requests_in_flight", "Engine requests submitted by this server and not finished yet.",
+              registry=registry).set_function(in_flight)
+        registry.register(_EngineCollector(engine_metrics))
         self.ttft = Histogram("verispec_time_to_first_token_seconds",
-                              "Time from a request's arrival to its first generated token.", TTFT_BUCKETS)
+                              "Time from a request's arrival to its first generated token.", buckets=TTFT_BUCKETS,
+                              registry=registry)
         self.tpot = Histogram("verispec_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per choice.", TPOT_BUCKETS)
+                              "Mean time between output tokens after the first, per choice.", buckets=TPOT_BUCKETS,
+                              registry=registry)
         self.latency = Histogram("verispec_request_latency_seconds",
-                                 "Time from a request's arrival to its last token, per choice.", LATENCY_BUCKETS)
+                                 "Time from a request's arrival to its last token, per choice.",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+    def count_engine_finish(self, status: str, stats: Mapping) -> None:
+        """One engine request finished with ``status``; ``stats`` is its ``FinishEvent.stats``. Safe on any
+        thread."""
+        self.requests.labels(status).inc()
+        self.tokens_generated.inc(int(stats.get("completion_tokens", 0)))
+        draft, accepted = int(stats.get("draft_tokens", 0)), int(stats.get("accepted_tokens", 0))
+        self.drafts.inc(int(stats.get("num_drafts", 0)))
+        self.draft_tokens.inc(draft)
+        self.accepted_tokens.inc(accepted)
+        for position, count in enumerate(stats.get("accepted_per_position", ())):
+            self.accepted_per_position.labels(str(position)).inc(int(count))
+        with self._totals_lock:
+            self._draft_total += draft
+            self._accepted_total += accepted
 
     def count_http(self, endpoint: str, status: int) -> None:
-        self.http[(endpoint, status)] = self.http.get((endpoint, status), 0) + 1
+        self.http.labels(endpoint, str(status)).inc()
 
     def count_finish(self, reason: str) -> None:
-        self.finished[reason] = self.finished.get(reason, 0) + 1
+        """A choice returned to its client with ``reason`` ("abort": the client went away first)."""
+        self.completions.labels(reason).inc()
 
-    def render(self, engine_metrics: dict, in_flight: int) -> str:
-        out: list[str] = []
+    def render(self) -> bytes:
+        """The Prometheus text format (``CONTENT_TYPE``)."""
+        return generate_latest(self.registry)
 
-        def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
-            out.extend(f"{name}{labels} {_number(value)}" for labels, value in samples)
-
-        requests = engine_metrics.get("requests_total", {}) or {}
-        metric("verispec_requests_total", "counter", "Engine requests finished, by status.",
-               [(f'{{status="{_label(s)}"}}', c) for s, c in sorted(requests.items())])
-        metric("verispec_completions_total", "counter",
-               "Choices returned to clients, by finish reason (abort: the client disconnected).",
-               [(f'{{finish_reason="{_label(r)}"}}', c) for r, c in sorted(self.finished.items())])
-        metric("verispec_http_requests_total", "counter", "HTTP requests, by endpoint and status code.",
-               [(f'{{endpoint="{_label(e)}",code="{s}"}}', c) for (e, s), c in sorted(self.http.items())])
-        draft, accepted = engine_metrics.get("draft_tokens", 0), engine_metrics.get("accepted_tokens", 0)
-        metric("verispec_tokens_generated_total", "counter", "Tokens generated by the engine.",
-               [("", engine_metrics.get("tokens_generated", 0))])
-        metric("verispec_draft_tokens_total", "counter", "Draft tokens proposed.", [("", draft)])
-        metric("verispec_accepted_tokens_total", "counter", "Draft tokens the target accepted.", [("", accepted)])
-        metric("verispec_acceptance_rate", "gauge", "Accepted / proposed draft tokens since the start.",
-               [("", accepted / draft if draft else 0.0)])
-        metric("verispec_batch_size", "gauge", "Rows in the engine's batch now.",
-               [("", engine_metrics.get("batch_size", 0))])
-        metric("verispec_requests_running", "gauge", "Engine requests running now.",
-               [("", engine_metrics.get("running", 0))])
-        metric("verispec_requests_waiting", "gauge", "Engine requests waiting to join the batch.",
-               [("", engine_metrics.get("waiting", 0))])
-        metric("verispec_server_requests_in_flight", "gauge",
-               "Engine requests submitted by this server and not finished yet.", [("", in_flight)])
-        for histogram in (self.ttft, self.tpot, self.latency):
-            out.extend(histogram.render())
-        return "\n".join(out) + "\n"
-
-
-def _label(value: object) -> str:
-    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    def _acceptance_rate(self) -> float:
+        with self._totals_lock:
+            return self._accepted_total / self._draft_total if self._draft_total else 0.0

@@ -1,0 +1,258 @@
+"""One HTTP request's engine requests (one per choice), the bridge that carries their events from the engine
+thread to the event loop, their text (``TextState``) and the response bodies built from them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .detokenize import TextState
+from .engine import EngineRequest, FinishEvent
+from .protocol import ApiError
+from .responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChoiceTelemetry,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionResponse,
+    Telemetry,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from .app import Server
+
+
+@dataclass
+class Params:
+    """A validated completion request: what the engine and the text state need."""
+
+    chat: bool
+    prompts: list[list[int]]  # token ids, one list per prompt
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stops: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+
+
+_DISCONNECTED = object()  # queue sentinel: the client went away
+
+
+@dataclass
+class Choice:
+    index: int
+    prompt_index: int
+    state: TextState | None = None  # made once the engine has accepted the request (its ids are in range)
+    handle: Any = None
+    finish_reason: str | None = None  # set when the engine's FinishEvent has been processed
+    stats: dict = field(default_factory=dict)
+    error: str | None = None
+    received: int = 0  # tokens received from the engine (past a stop string too)
+    first_token_at: float | None = None
+    cancelled: bool = False
+
+
+class Generation:
+    """The engine requests behind one HTTP request (one per choice) and the queue their events land in.
+
+    The engine thread calls each request's ``on_event``; ``loop.call_soon_threadsafe`` moves every event, in
+    order, into this request's ``asyncio.Queue``, and ``run`` turns them into text on the event loop.
+    """
+
+    def __init__(self, server: Server, params: Params) -> None:
+        self.server, self.params = server, params
+        self.created = int(time.time())
+        self.started = time.perf_counter()
+        self.id = ("chatcmpl-" if params.chat else "cmpl-") + uuid.uuid4().hex
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [Choice(p * params.n + i, p) for p, _ in enumerate(params.prompts) for i in range(params.n)]
+        self.disconnected = False
+
+    def submit(self) -> None:
+        """Queue one engine request per choice; a refused one (``ValueError``) refuses the whole request."""
+        p = self.params
+        try:
+            for choice in self.choices:
+                seed = None if p.seed is None else (p.seed + choice.index % p.n) % 2**63
+                request = EngineRequest(
+                    prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
+                    temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
+                    eos_token_ids=self.server.eos_token_ids,
+                )
+                self.server.engine_request_started()
+                try:
+                    choice.handle = self.server.engine.submit(request, self._poster(choice.index))
+                except BaseException:
+                    self.server.engine_request_done()
+                    raise
+        except ValueError as error:
+            self.cancel(count=False)
+            raise ApiError(str(error)) from error
+        except Exception as error:
+            self.cancel(count=False)
+            raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
+        for choice in self.choices:
+            choice.state = TextState(self.server.tokenizer, p.prompts[choice.prompt_index], p.stops)
+
+    def _poster(self, index: int) -> Callable[[Any], None]:
+        def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
+            if isinstance(event, FinishEvent):
+                try:
+                    self.server.metrics.count_engine_finish(event.reason, event.stats or {})
+                finally:  # the in-flight count, and the event below, must never be lost
+                    self.server.engine_request_done()
+            try:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+            except RuntimeError:  # the event loop is closed (server shutting down): nobody is listening
+                pass
+
+        return on_event
+
+    def client_gone(self) -> None:
+        self.disconnected = True
+        self.cancel()
+        self.queue.put_nowait((-1, _DISCONNECTED))
+
+    def cancel(self, count: bool = True) -> None:
+        """Cancel every engine request that has not finished (idempotent)."""
+        for choice in self.choices:
+            if choice.handle is not None and choice.finish_reason is None and not choice.cancelled:
+                choice.cancelled = True
+                choice.handle.cancel()
+                if count and (choice.state is None or choice.state.stop is None):
+                    self.server.metrics.count_finish("abort")
+
+    async def run(self) -> AsyncIterator[tuple[Choice, str, bool]]:
+        """Yield ``(choice, new text, finished)`` as text becomes final and as choices finish."""
+        pending = len(self.choices)
+        while pending:
+            index, event = await self.queue.get()
+            if event is _DISCONNECTED:
+                return
+            choice = self.choices[index]
+            if choice.finish_reason is not None:
+                continue
+            if isinstance(event, FinishEvent):
+                pending -= 1
+                yield choice, self._finish(choice, event), True
+            else:  # TokensEvent
+                delta = self._tokens(choice, list(event.tokens))
+                if delta:
+                    yield choice, delta, False
+
+    def _tokens(self, choice: Choice, tokens: list[int]) -> str:
+        if not tokens:
+            return ""
+        if choice.first_token_at is None:
+            choice.first_token_at = time.perf_counter()
+            self.server.metrics.ttft.observe(choice.first_token_at - self.started)
+        choice.received += len(tokens)
+        delta = choice.state.add(tokens)
+        if choice.state.stop is not None and not choice.cancelled:  # the text is complete: free the row now
+            choice.cancelled = True
+            choice.handle.cancel()
+        return delta
+
+    def _finish(self, choice: Choice, event: FinishEvent) -> str:
+        delta = choice.state.flush()
+        choice.stats = dict(event.stats or {})
+        if choice.state.stop is not None:
+            choice.finish_reason = "stop"
+        elif event.reason in ("stop", "length", "error"):
+            choice.finish_reason = event.reason
+        else:  # cancelled by someone other than this request (e.g. the engine shutting down)
+            choice.finish_reason = "error"
+        if event.reason == "error" or choice.finish_reason == "error":
+            choice.error = event.error or f"the engine ended the request ({event.reason})"
+        now = time.perf_counter()
+        metrics = self.server.metrics
+        metrics.count_finish(choice.finish_reason)
+        metrics.latency.observe(now - self.started)
+        if choice.first_token_at is not None and choice.received > 1:
+            metrics.tpot.observe((now - choice.first_token_at) / (choice.received - 1))
+        return delta
+
+    # ---- response bodies
+
+    def usage(self) -> Usage:
+        prompt = sum(len(p) for p in self.params.prompts)
+        completion = sum(c.state.num_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def telemetry(self, choices: Sequence[Choice] | None = None) -> Telemetry:
+        """The ``verispec`` extension: speculative telemetry summed over ``choices`` (all by default)."""
+        summed = self.choices if choices is None else choices
+        draft = sum(int(c.stats.get("draft_tokens", 0)) for c in summed)
+        accepted = sum(int(c.stats.get("accepted_tokens", 0)) for c in summed)
+        generated = sum(int(c.stats.get("completion_tokens", c.received)) for c in summed)
+        passes = sum(_target_passes(c.stats) for c in summed)
+        return Telemetry(
+            acceptance_rate=accepted / draft if draft else 0.0,
+            tokens_per_target_pass=generated / passes if passes else 0.0,
+            mean_draft_length=draft / passes if passes else 0.0,
+            draft_tokens=draft, accepted_tokens=accepted, generated_tokens=generated,
+            choices=[self.choice_telemetry(c) for c in summed] if choices is None else None,
+        )
+
+    @staticmethod
+    def choice_telemetry(choice: Choice) -> ChoiceTelemetry:
+        stats = choice.stats
+        return ChoiceTelemetry(
+            index=choice.index, acceptance_rate=stats.get("acceptance_rate", 0.0),
+            tokens_per_target_pass=stats.get("tokens_per_target_pass", 0.0),
+            mean_draft_length=stats.get("mean_draft_length", 0.0), draft_tokens=stats.get("draft_tokens", 0),
+            accepted_tokens=stats.get("accepted_tokens", 0),
+            generated_tokens=stats.get("completion_tokens", choice.received),
+            time_to_first_token_s=stats.get("time_to_first_token_s"), total_time_s=stats.get("total_time_s"),
+            error=choice.error,
+        )
+
+    def full_response(self) -> BaseModel:
+        common = {"id": self.id, "created": self.created, "model": self.server.model_name, "usage": self.usage(),
+                  "verispec": self.telemetry()}
+        if self.params.chat:
+            return ChatCompletionResponse(**common, choices=[
+                ChatChoice(index=c.index, message=AssistantMessage(content=c.state.text),
+                           finish_reason=c.finish_reason, stop_reason=c.state.stop) for c in self.choices])
+        return CompletionResponse(**common, choices=[
+            CompletionChoice(index=c.index, text=c.state.text, finish_reason=c.finish_reason,
+                             stop_reason=c.state.stop) for c in self.choices])
+
+    def chunk(self, choice: Choice | None, text: str | None, finished: bool, role: bool = False) -> BaseModel:
+        """One streamed chunk: a piece of text for one choice, its finish, or (``choice=None``) usage."""
+        kind = ChatCompletionChunk if self.params.chat else CompletionChunk
+        common: dict = {"id": self.id, "created": self.created, "model": self.server.model_name}
+        if choice is None:
+            return kind(**common, choices=[], usage=self.usage(), verispec=self.telemetry())
+        end: dict = {}
+        if finished:
+            end = {"finish_reason": choice.finish_reason, "stop_reason": choice.state.stop}
+            common["verispec"] = self.choice_telemetry(choice)
+        if self.params.chat:
+            delta = ChatDelta(role="assistant", content="") if role else ChatDelta(content=text or None)
+            entry: BaseModel = ChatChunkChoice(index=choice.index, delta=delta, **end)
+        else:
+            entry = CompletionChoice(index=choice.index, text=text or "", **end)
+        return kind(**common, choices=[entry])
+
+
+def _target_passes(stats: dict) -> float:
+    per_pass = stats.get("tokens_per_target_pass") or 0.0
+    return stats.get("completion_tokens", 0) / per_pass if per_pass else 0.0

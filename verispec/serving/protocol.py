@@ -1,0 +1,288 @@
+"""The OpenAI API's request bodies as pydantic models, and its error shape.
+
+FastAPI validates every request body against these models before the app sees it, and ``/openapi.json``
+documents them. Every validation error becomes one HTTP 400 in OpenAI's shape (``ApiError``). Fields that
+would change the output and that this server does not implement are refused, never silently ignored; other
+unknown fields are ignored, as OpenAI-compatible servers do. The response bodies are in ``responses.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator
+from pydantic_core import PydanticCustomError
+
+MAX_CHOICES = 256  # prompts x n in one request
+MAX_STOP_STRINGS = 16
+MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """A request the server refuses, answered in OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.param, self.code, self.kind), status_code=self.status)
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               kind: str = "invalid_request_error") -> dict:
+    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
+
+
+# Error types raised by the validators below: their messages already name the field.
+_OWN_ERRORS = {"invalid_type", "invalid_value", "unsupported_parameter", "unsupported_content"}
+
+
+def validation_error(errors: Sequence[dict]) -> ApiError:
+    """The first of FastAPI's request validation errors as an ``ApiError`` naming the field (``param``)."""
+    error = errors[0] if errors else {"type": "invalid_value", "loc": (), "msg": "invalid request"}
+    kind = error.get("type", "")
+    loc = tuple(error.get("loc", ()))
+    loc = loc[1:] if loc[:1] == ("body",) else loc
+    if kind == "json_invalid":
+        detail = (error.get("ctx") or {}).get("error", "")
+        return ApiError(f"the request body is not valid JSON: {detail}", code="invalid_json")
+    if not loc:
+        return ApiError("the request body must be a JSON object, sent as Content-Type: application/json",
+                        code="invalid_json")
+    param = loc[0] if isinstance(loc[0], str) else None
+    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    if kind in _OWN_ERRORS:  # the message names the field already, unless the field is inside a list
+        return ApiError(error["msg"] if len(loc) == 1 else f"'{path}': {error['msg']}", param, kind)
+    message = f"'{path}': {error.get('msg', 'invalid value')}"
+    value = error.get("input")
+    if kind != "missing" and isinstance(value, (int, float, str, type(None))):
+        message += f", got {_short(value)}"
+    code = "missing_required_parameter" if kind == "missing" else (
+        "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
+    return ApiError(message, param, code)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ------------------------------------------------------------------------------------------ field types
+
+
+def _one_error(message: str, range_message: str | None = None) -> WrapValidator:
+    """Any validation error of the field becomes one readable error (a union's errors would name every branch
+    it tried); ``range_message`` is used instead when a number was out of its range."""
+
+    def validate(value: Any, handler: Callable[[Any], Any]) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as error:
+            kinds = {e["type"] for e in error.errors()}
+            if range_message and kinds & {"greater_than_equal", "less_than_equal"}:
+                raise PydanticCustomError("invalid_value", range_message) from None
+            raise PydanticCustomError("invalid_type", message) from None
+
+    return WrapValidator(validate)
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Prompt = Annotated[
+    str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
+    _one_error("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+               f"token ids must be between 0 and {MAX_TOKEN_ID}"),
+]
+Stop = Annotated[str | list[str], _one_error("'stop' must be a string or a list of strings")]
+
+
+def _content_error(value: Any, handler: Callable[[Any], Any]) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        if isinstance(value, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
+            raise PydanticCustomError("unsupported_content", "only text content parts are supported") from None
+        raise PydanticCustomError("invalid_type", "a message's content must be a string or a list of text "
+                                  "parts") from None
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool | None = Field(False, description="Send a last chunk with the usage of the whole request.")
+
+
+# -------------------------------------------------------------------------------------------- requests
+
+
+def _no_effect(value: Any) -> bool:
+    return not value
+
+
+# Fields this server does not implement, and the values that change nothing (accepted as if absent).
+UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
+    "logprobs": lambda v: v is None,
+    "top_logprobs": lambda v: v in (None, 0),
+    "echo": _no_effect,
+    "suffix": _no_effect,
+    "logit_bias": _no_effect,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "repetition_penalty": lambda v: v in (None, 1),
+    "min_p": lambda v: v in (None, 0),
+    "min_tokens": lambda v: v in (None, 0),
+    "ignore_eos": _no_effect,
+    "tools": _no_effect,
+    "functions": _no_effect,
+    "response_format": lambda v: v in (None, {"type": "text"}),
+}
+_UNSUPPORTED_FIELD = Field(None, description="Not supported: refused with HTTP 400 unless absent or a no-op value.")
+
+
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+    model: str | None = Field(None, description="Must be the served model's id if given.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt (prompts x n <= {MAX_CHOICES}).")
+    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Default: 16 for completions, the rest of the context for chat.")
+    temperature: float = Field(1.0, ge=0, description="1.0 (sampling) by default, as in OpenAI's API; 0 is greedy.")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="Extension: -1 or absent: no limit.")
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = Field(
+        None, description="Reproducible sampling; choice i of a request gets seed + i.")
+    stop: Stop | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings; the text ends before the first.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    best_of: Any = Field(None, description="Not supported: refused unless absent, 1 or n.")
+    logprobs: Any = _UNSUPPORTED_FIELD
+    top_logprobs: Any = _UNSUPPORTED_FIELD
+    echo: Any = _UNSUPPORTED_FIELD
+    suffix: Any = _UNSUPPORTED_FIELD
+    logit_bias: Any = _UNSUPPORTED_FIELD
+    presence_penalty: Any = _UNSUPPORTED_FIELD
+    frequency_penalty: Any = _UNSUPPORTED_FIELD
+    repetition_penalty: Any = _UNSUPPORTED_FIELD
+    min_p: Any = _UNSUPPORTED_FIELD
+    min_tokens: Any = _UNSUPPORTED_FIELD
+    ignore_eos: Any = _UNSUPPORTED_FIELD
+    tools: Any = _UNSUPPORTED_FIELD
+    functions: Any = _UNSUPPORTED_FIELD
+    response_format: Any = _UNSUPPORTED_FIELD
+
+    @field_validator("n", "temperature", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise PydanticCustomError("invalid_value", "'top_k' must be >= 1 (or -1 for no limit), got 0")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+            raise PydanticCustomError(
+                "invalid_value", f"'stop' holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        return value
+
+    @field_validator("best_of", *UNSUPPORTED)
+    @classmethod
+    def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        if name == "best_of":
+            allowed = value in (None, 1, info.data.get("n", 1))
+        else:
+            allowed = cls._no_effect(name)(value)
+        if not allowed:
+            raise PydanticCustomError("unsupported_parameter", f"'{name}' is not supported by this server")
+        return value
+
+    @classmethod
+    def _no_effect(cls, name: str) -> Callable[[Any], bool]:
+        return UNSUPPORTED[name]
+
+    # ---- what the app needs, with OpenAI's defaults applied
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(dict.fromkeys(s for s in stops if s))  # empty strings stop nothing
+
+    @property
+    def token_limit(self) -> tuple[str, int | None]:
+        """The field that caps the completion's length, and its value."""
+        return "max_tokens", self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``."""
+
+    prompt: Prompt = Field(description="Text, texts, token ids, or lists of token ids (one completion each).")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: str
+    content: Annotated[str | list[TextPart] | None, WrapValidator(_content_error)] = Field(
+        None, description="Text, or a list of text parts.")
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: the messages go through the model's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Overrides max_tokens.")
+
+    @classmethod
+    def _no_effect(cls, name: str) -> Callable[[Any], bool]:
+        if name == "logprobs":  # a boolean in the chat API
+            return lambda v: v in (None, False)
+        return UNSUPPORTED[name]
+
+    @property
+    def token_limit(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens

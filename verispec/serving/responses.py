@@ -1,0 +1,135 @@
+"""The OpenAI API's response bodies as pydantic models (``/openapi.json`` documents them), with verispec's
+extension: a ``verispec`` object of speculative telemetry on every completion."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, Field
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else 0.0
+
+
+Rate = Annotated[float, AfterValidator(_finite)]  # JSON has no NaN: a rate over nothing is 0
+_OMITTED_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = Field(description="Tokens the returned text needs (EOS included; not past a stop "
+                                               "string).")
+    total_tokens: int
+
+
+class SpeculativeStats(BaseModel):
+    acceptance_rate: Rate = Field(description="Accepted / proposed draft tokens.")
+    tokens_per_target_pass: Rate
+    mean_draft_length: Rate = Field(description="Draft tokens per target pass.")
+    draft_tokens: int
+    accepted_tokens: int
+    generated_tokens: int = Field(description="Tokens the engine generated (past a stop string too).")
+
+
+class ChoiceTelemetry(SpeculativeStats):
+    index: int
+    time_to_first_token_s: Rate | None = None
+    total_time_s: Rate | None = None
+    error: str | None = Field(**_OMITTED_IF_NONE, description="Why the engine ended the choice, if it failed.")
+
+
+class Telemetry(SpeculativeStats):
+    """Summed over the request's choices."""
+
+    choices: list[ChoiceTelemetry] | None = Field(**_OMITTED_IF_NONE)
+
+
+class _Choice(BaseModel):
+    index: int
+    logprobs: None = None
+    finish_reason: FinishReason | None = Field(None, description="Set when the choice is complete.")
+    stop_reason: str | None = Field(None, description="The stop string that ended the text, if one did.")
+
+
+class CompletionChoice(_Choice):
+    """A choice of a completion, or a piece of its text in a streamed chunk."""
+
+    text: str
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = Field(**_OMITTED_IF_NONE)
+    content: str | None = Field(**_OMITTED_IF_NONE)
+
+
+class ChatChunkChoice(_Choice):
+    delta: ChatDelta
+
+
+class _Body(BaseModel):
+    id: str
+    created: int
+    model: str
+
+
+class CompletionResponse(_Body):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage
+    verispec: Telemetry
+
+
+class ChatCompletionResponse(_Body):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+    verispec: Telemetry
+
+
+class _Chunk(_Body):
+    """One server-sent event: a piece of text for one choice, its finish (with that choice's telemetry),
+    or, last when ``stream_options.include_usage``, no choices and the request's usage and telemetry."""
+
+    usage: Usage | None = Field(**_OMITTED_IF_NONE)
+    verispec: ChoiceTelemetry | Telemetry | None = Field(**_OMITTED_IF_NONE)
+
+
+class CompletionChunk(_Chunk):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionChunk(_Chunk):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "verispec"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    requests_in_flight: int = Field(description="Engine requests submitted and not finished.")
