@@ -11,7 +11,7 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-from words import EOS, ids, word_tokenizer
+from serving_support import EOS, ids, word_tokenizer
 
 from verispec.serving.detokenize import CONTEXT_TOKENS, REPLACEMENT, IncrementalDecoder, TextState
 

@@ -8,7 +8,6 @@ last one is NaN: a prompt holding that id makes that request's logits NaN, and n
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -18,48 +17,32 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
+import openai
 import pytest
 import torch
+import uvicorn
+from serving_support import EOS, WORDS, parse_metrics, word_tokenizer
+from serving_support import ids as _ids
+from tiny_models import perturbed
 
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-
-from tiny_models import perturbed  # noqa: E402
-
+from verispec.models import load
 from verispec.serving.app import create_app
-from verispec.serving.detokenize import TextState  # noqa: E402
+from verispec.serving.engine import Engine, EngineRequest, FinishEvent
 
-WORDS = ["<unk>", "<s>", "</s>"] + (
-    "def return x y z ( ) : + - * 1 2 3 if else for in print hello world user assistant system the a cat dog"
-).split()
-EOS = 2
 PADDING = 4  # embedding rows beyond the tokenizer (never proposed nor emitted)
 NAN_ID = len(WORDS) + PADDING - 1  # its embedding is NaN in the target
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant :{% endif %}"
-)
 MODEL = "tiny"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -------------------------------------------------------------------------------------------- fixtures
-
-
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    # Only EOS is special: every other id decodes to exactly one word.
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
 
 
 def _save_pair(root: Path) -> tuple[str, str]:
@@ -75,7 +58,7 @@ def _save_pair(root: Path) -> tuple[str, str]:
         target.get_input_embeddings().weight[NAN_ID] = float("nan")
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)
-        _tokenizer().save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
     return str(root / "target"), str(root / "draft")
 
 
@@ -115,25 +98,38 @@ def model_dirs(tmp_path_factory) -> tuple[str, str]:
     return _save_pair(tmp_path_factory.mktemp("server-models"))
 
 
-@pytest.fixture(scope="module")
-def live(model_dirs):
-    engine_module = pytest.importorskip("verispec.serving.engine")
-    from verispec.cli import build_decoder
-
+def _serve(model_dirs: tuple[str, str], **decoder_options) -> LiveServer:
+    """The app over an engine over the tiny pair (``decoder_options``: ``SpeculativeDecoder``'s), served."""
     target, draft = model_dirs
-    args = argparse.Namespace(target=target, draft=draft, num_draft_tokens="3", dtype="float32", device="cpu",
-                              fast=False)
-    decoder, tokenizer = build_decoder(args, progress=lambda message: None)
-    engine = engine_module.Engine(decoder, max_batch_size=16)
+    decoder, tokenizer = load(target, draft, fast=False, **decoder_options)
+    engine = Engine(decoder, max_batch_size=16)
     engine.start()
     app = create_app(engine, tokenizer, MODEL, max_context=decoder.max_positions, eos_token_ids=[EOS])
     server = LiveServer(app)
     server.engine, server.tokenizer, server.decoder, server.app = engine, tokenizer, decoder, app
     server.target_dir = target
     server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    return server
+
+
+@pytest.fixture(scope="module")
+def live(model_dirs):
+    """A fixed draft length (3): blocks of several accepted tokens on every step."""
+    server = _serve(model_dirs, num_draft_tokens=3)
     yield server
     server.close()
-    engine.shutdown()
+    server.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def live_defaults(model_dirs):
+    """The decoder's defaults: draft length chosen by the cost model, early stops by draft confidence, and
+    the heuristic schedule for seeded sampling requests."""
+    server = _serve(model_dirs)
+    assert server.decoder.num_draft_tokens == "auto" and server.decoder.stop_drafting
+    yield server
+    server.close()
+    server.engine.shutdown()
 
 
 def _extra(obj, name: str):
@@ -160,55 +156,80 @@ def _idle(live, timeout: float = 15.0) -> dict:
     while True:
         metrics = live.engine.metrics()
         in_flight = live.app.state.verispec.in_flight
-        if in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0 and metrics["batch_size"] == 0:
+        if in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0:
             return metrics
         if time.monotonic() > deadline:
             raise AssertionError(f"not idle after {timeout} s: {in_flight} in flight, engine {metrics}")
         time.sleep(0.02)
 
 
-# ------------------------------------------------------------------------- TextState (no engine, no HTTP)
+@dataclass
+class _ReleasingHandle:
+    handle: Any
+    released: threading.Event
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+        self.released.set()
 
 
-def _text_state(stops=(), context=()) -> TextState:
-    return TextState(_tokenizer(), list(context), stops)
+class CancelGate:
+    """Holds the engine, once a request has delivered ``after_tokens`` tokens, until the server cancels it
+    (or it finishes): the cancellation then always lands while the request is still running, however fast or
+    slow the machine. Only requests for which ``gated(request)`` holds are watched.
 
+    It wraps ``engine.submit`` (to see each request's events and its handle's ``cancel``); the engine thread
+    waits in a hook on the target model's forward pass. ``delivered`` is set once a watched request has
+    delivered its tokens: a client may hang up from then on.
+    """
 
-def _ids(words: str) -> list[int]:
-    return [WORDS.index(w) for w in words.split()]
+    def __init__(self, live, after_tokens: int = 1, gated: Callable[[EngineRequest], bool] = lambda request: True):
+        self.live, self.after_tokens, self.gated = live, after_tokens, gated
+        self.delivered = threading.Event()
+        self._watched: list[tuple[threading.Event, threading.Event]] = []  # (delivered, released) per request
+        self._lock = threading.Lock()
 
+    def __enter__(self) -> CancelGate:
+        submit = self.live.engine.submit
 
-def test_text_state_streams_and_counts_without_stops() -> None:
-    state = _text_state(context=_ids("def x"))
-    pieces = [state.add(_ids("y (")), state.add(_ids(")")), state.add([EOS]), state.flush()]
-    assert "".join(pieces) == state.text == " y ( )"  # the context gives the first word its space
-    assert state.num_tokens == 4 and state.stop is None  # EOS counts, shows no text
+        def gated_submit(request: EngineRequest, on_event: Callable) -> Any:
+            if not self.gated(request):
+                return submit(request, on_event)
+            delivered, released = threading.Event(), threading.Event()
+            count = 0
 
+            def watch(event) -> None:
+                nonlocal count
+                if isinstance(event, FinishEvent):
+                    released.set()
+                else:
+                    count += len(event.tokens)
+                    if count >= self.after_tokens:
+                        delivered.set()
+                        self.delivered.set()
+                on_event(event)
 
-@pytest.mark.parametrize("blocks", [["hello world print x"], ["hello", "world print x"],
-                                    ["hello", "world", "print", "x"]])
-def test_text_state_stop_spanning_two_tokens_inside_a_block(blocks) -> None:
-    state = _text_state(stops=["o wor"])
-    streamed = "".join(state.add(_ids(block)) for block in blocks) + state.flush()
-    assert streamed == state.text == "hell"  # cut before the stop string, which spans "hello" and "world"
-    assert state.stop == "o wor" and state.num_tokens == 1  # only "hello" is needed for "hell"
+            with self._lock:  # before submitting: the engine may run the request at once
+                self._watched.append((delivered, released))
+            return _ReleasingHandle(submit(request, watch), released)
 
+        self.live.engine.submit = gated_submit
+        self._hook = self.live.decoder.target_model.register_forward_pre_hook(self._hold)
+        return self
 
-def test_text_state_holds_back_a_possible_stop_then_releases_it() -> None:
-    state = _text_state(stops=["x + 1"])
-    assert state.add(_ids("print x")) == "print "  # "x" could start the stop string
-    assert state.add(_ids("+")) == ""  # "x +" still could
-    assert state.add(_ids("2")) == "x + 2"  # it did not
-    assert state.add(_ids("x")) == " "
-    assert state.flush() == "x" and state.stop is None and state.num_tokens == 5
+    def _hold(self, module, args) -> None:
+        with self._lock:
+            watched = list(self._watched)
+        for delivered, released in watched:
+            if delivered.is_set():
+                released.wait(timeout=60)
 
-
-def test_text_state_earliest_stop_wins_and_stop_at_the_start_returns_nothing() -> None:
-    state = _text_state(stops=["world", "hello"])
-    assert state.add(_ids("hello world")) == "" and state.stop == "hello" and state.num_tokens == 0
-    state = _text_state(stops=["2 3", "1"])
-    state.add(_ids("x 2 3 1"))
-    assert state.text == "x " and state.stop == "2 3" and state.num_tokens == 2  # the space comes with "2"
+    def __exit__(self, *exc_info) -> None:
+        del self.live.engine.submit
+        self._hook.remove()
+        with self._lock:
+            for _, released in self._watched:
+                released.set()
 
 
 # ---------------------------------------------------------------------------------------- end to end
@@ -315,25 +336,25 @@ def test_stop_strings_spanning_tokens_end_the_text_and_free_the_row(live) -> Non
     words = full.split()
     assert len(words) >= 8, full
     cancelled = live.engine.metrics()["requests_total"].get("cancelled", 0)
-    # Slow target passes (10 ms) so that a row that were not cancelled at its stop string would still run.
-    slow = live.decoder.target_model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
     for i in (2, 5):
         stop = f"{words[i][-1]} {words[i + 1][0]}"  # the end of one token and the start of the next
         expected = full[: full.find(stop)]
         for stream in (False, True):
-            if stream:
-                texts, reasons, usage = _collect_stream(_complete(
-                    live, prompt, max_tokens=24, stop=[stop, "no such"], stream=True,
-                    stream_options={"include_usage": True}))
-                text, reason = texts[0], reasons[0]
-            else:
-                out = _complete(live, prompt, max_tokens=24, stop=[stop, "no such"])
-                text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
-                assert _extra(out.choices[0], "stop_reason") == stop
-                assert _extra(out, "verispec")["tokens_per_target_pass"] > 1  # blocks of several tokens
+            # Once the stop string has been delivered (word i + 1 is token i + 2), the engine waits for the
+            # cancel: a row that were not cancelled at its stop string would run on to its 24 tokens.
+            with CancelGate(live, after_tokens=i + 2):
+                if stream:
+                    texts, reasons, usage = _collect_stream(_complete(
+                        live, prompt, max_tokens=24, stop=[stop, "no such"], stream=True,
+                        stream_options={"include_usage": True}))
+                    text, reason = texts[0], reasons[0]
+                else:
+                    out = _complete(live, prompt, max_tokens=24, stop=[stop, "no such"])
+                    text, reason, usage = out.choices[0].text, out.choices[0].finish_reason, out.usage
+                    assert _extra(out.choices[0], "stop_reason") == stop
+                    assert _extra(out, "verispec")["tokens_per_target_pass"] > 1  # blocks of several tokens
             assert text == expected and reason == "stop"
             assert usage.completion_tokens == _expected_tokens(expected, "stop", stop)  # only those it needs
-    slow.remove()
     assert _idle(live)["requests_total"].get("cancelled", 0) == cancelled + 4  # each left the batch at once
     # A stop string in the last block before the length cap: the finish reason is still "stop".
     out = _complete(live, prompt, max_tokens=8, stop=words[7])
@@ -368,6 +389,42 @@ def test_n_greedy_choices_and_prompt_lists(live) -> None:
         _expected_tokens(c.text, c.finish_reason, _extra(c, "stop_reason")) for c in out.choices)
 
 
+# ------------------------------------------------------------------------------ the decoder's defaults
+
+
+@pytest.mark.parametrize("prompt", ["def x ( y ) :", "hello world print", "the cat"])
+def test_defaults_greedy_is_the_target_alone(live_defaults, prompt) -> None:
+    out = _complete(live_defaults, prompt, max_tokens=20)
+    expected = _reference_greedy(live_defaults, _ids(prompt), 20)
+    assert out.choices[0].text.split() == [WORDS[t] for t in expected if t != EOS]
+    assert out.usage.completion_tokens == len(expected)
+    texts, reasons, usage = _collect_stream(_complete(live_defaults, prompt, max_tokens=20, stream=True,
+                                                      stream_options={"include_usage": True}))
+    assert texts == {0: out.choices[0].text} and reasons == {0: out.choices[0].finish_reason}
+    assert usage == out.usage
+
+
+def test_defaults_seeded_sampling_is_reproducible_alone_in_a_batch_and_as_n_choices(live_defaults) -> None:
+    """A seeded sampling request drafts on the heuristic schedule (the cost model's timings must not decide
+    its tokens): one seed gives one text served alone, beside other requests, and as choice i of n."""
+    settings = {"temperature": 1.0, "top_p": 0.9, "max_tokens": 16}
+    alone = [_complete(live_defaults, "the cat", seed=seed, **settings) for seed in (7, 8, 9)]
+    texts = [out.choices[0].text for out in alone]
+    assert all(_extra(out, "verispec")["draft_tokens"] > 0 for out in alone)  # the heuristic schedule drafts
+
+    async def together() -> list[httpx.Response]:
+        bodies = [{"model": MODEL, "prompt": "the cat", "seed": seed, **settings} for seed in (7, 8, 9)]
+        bodies += [{"model": MODEL, "prompt": "hello world", "max_tokens": 16, "temperature": 0}] * 3
+        async with httpx.AsyncClient(base_url=live_defaults.url, timeout=60) as client:
+            return await asyncio.gather(*[client.post("/v1/completions", json=body) for body in bodies])
+
+    responses = [response.json() for response in asyncio.run(together())]
+    assert [response["choices"][0]["text"] for response in responses[:3]] == texts
+    assert [c.text for c in _complete(live_defaults, "the cat", seed=7, n=3, **settings).choices] == texts
+    streamed, _, _ = _collect_stream(_complete(live_defaults, "the cat", seed=8, stream=True, **settings))
+    assert streamed == {0: texts[1]}
+
+
 def _post(live, path: str, body) -> httpx.Response:
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)
     return httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
@@ -396,6 +453,27 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, "max_completion_tokens"),
+    # Fields that would change the output and are not implemented are refused, never ignored.
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 0.1}, "min_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_p": 0.05},
+     "min_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages"),
+    # Types and ranges.
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2.0}, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 300}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 100, "n": 3}, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"model": MODEL}, "prompt"),
 ]
 
 
@@ -417,6 +495,60 @@ def test_bad_requests_through_the_client_and_unknown_paths(live) -> None:
         live.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1)
     response = httpx.get(f"{live.url}/v1/nothing")
     assert response.status_code == 404 and response.json()["error"]["message"]
+
+
+def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(live) -> None:
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 4, "temperature": 0, "min_p": 0,
+            "presence_penalty": 0, "best_of": 1, "logprobs": None, "echo": False, "user": "u", "no_such_field": 1}
+    response = _post(live, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == _complete(live, "hello world", max_tokens=4).choices[0].text
+
+
+def test_a_body_without_content_type_is_read_as_json(live) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "hello world", "max_tokens": 3, "temperature": 0}).encode()
+    response = httpx.post(f"{live.url}/v1/completions", content=body, timeout=30)
+    assert "content-type" not in response.request.headers
+    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+
+
+def test_openapi_documents_every_request_and_response_body(live) -> None:
+    spec = httpx.get(f"{live.url}/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+
+    def schema_of(content: dict, media: str = "application/json") -> str:
+        ref = content[media]["schema"]["$ref"]
+        assert ref.startswith("#/components/schemas/") and ref.split("/")[-1] in schemas
+        return ref.split("/")[-1]
+
+    for path, request, response, chunk in [
+        ("/v1/completions", "CompletionRequest", "CompletionResponse", "CompletionChunk"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionChunk"),
+    ]:
+        post = spec["paths"][path]["post"]
+        assert schema_of(post["requestBody"]["content"]) == request
+        assert schema_of(post["responses"]["200"]["content"]) == response
+        assert schema_of(post["responses"]["200"]["content"], "text/event-stream") == chunk
+        assert schema_of(post["responses"]["400"]["content"]) == "ErrorResponse"
+        fields = schemas[request]["properties"]
+        assert {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "n", "min_p"} <= set(fields)
+        assert fields["temperature"]["default"] == 1.0
+        assert {"usage", "verispec", "choices"} <= set(schemas[response]["properties"])
+    assert schema_of(spec["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]) == "ModelList"
+    assert schema_of(spec["paths"]["/health"]["get"]["responses"]["200"]["content"]) == "Health"
+    refs = set()
+
+    def collect(node) -> None:
+        if isinstance(node, dict):
+            refs.update([node["$ref"]] if "$ref" in node else [])
+            for value in node.values():
+                collect(value)
+        elif isinstance(node, list):
+            for value in node:
+                collect(value)
+
+    collect(spec)
+    assert all(ref.split("/")[-1] in schemas for ref in refs)  # every reference resolves
 
 
 def test_nan_logits_end_one_request_with_error_and_spare_the_others(live) -> None:
@@ -442,34 +574,29 @@ def test_nan_logits_end_one_request_with_error_and_spare_the_others(live) -> Non
 
 def test_client_disconnect_cancels_the_engine_request(live) -> None:
     before = live.engine.metrics()["requests_total"].get("cancelled", 0)
-    # Greedy from "hello" runs to the length cap (no EOS), and each target pass is slowed to 5 ms: the
-    # hang-up lands mid-generation however fast the machine.
-    slow = live.decoder.target_model.register_forward_pre_hook(lambda module, args: time.sleep(0.005))
-    try:
-        body = {"model": MODEL, "prompt": "hello", "max_tokens": 120, "temperature": 0, "stream": True}
+    # Greedy from "hello" runs to the length cap (no EOS); after its first token the engine waits until the
+    # server cancels the request, so the hang-up lands mid-generation however fast the machine.
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 120, "temperature": 0, "stream": True}
+    with CancelGate(live):
         with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as response:
             next(response.iter_lines())  # the first piece arrived: the request is in the batch; now hang up
         metrics = _idle(live)
-        assert metrics["requests_total"].get("cancelled", 0) == before + 1
-        # Non-streaming: the client gives up waiting.
-        body.update(stream=False)
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{live.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    assert metrics["requests_total"].get("cancelled", 0) == before + 1
+
+    async def hang_up_once_running(gate: CancelGate) -> None:  # non-streaming: the client gives up waiting
+        async with httpx.AsyncClient(base_url=live.url, timeout=30) as client:
+            request = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": False}))
+            assert await asyncio.to_thread(gate.delivered.wait, 30)
+            request.cancel()
+            with suppress(asyncio.CancelledError):
+                await request
+
+    with CancelGate(live) as gate:
+        asyncio.run(hang_up_once_running(gate))
         metrics = _idle(live)
-        assert metrics["requests_total"].get("cancelled", 0) == before + 2
-    finally:
-        slow.remove()
-    samples = _parse_metrics(httpx.get(f"{live.url}/metrics").text)
+    assert metrics["requests_total"].get("cancelled", 0) == before + 2
+    samples = parse_metrics(httpx.get(f"{live.url}/metrics").text)
     assert samples['verispec_completions_total{finish_reason="abort"}'] >= 2
-
-
-def _parse_metrics(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def test_metrics_in_prometheus_text_format(live) -> None:
@@ -478,30 +605,43 @@ def test_metrics_in_prometheus_text_format(live) -> None:
     response = httpx.get(f"{live.url}/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     text = response.text
-    samples = _parse_metrics(text)
+    samples = parse_metrics(text)
     for name, kind in [("verispec_requests_total", "counter"), ("verispec_tokens_generated_total", "counter"),
                        ("verispec_draft_tokens_total", "counter"), ("verispec_accepted_tokens_total", "counter"),
                        ("verispec_acceptance_rate", "gauge"), ("verispec_batch_size", "gauge"),
                        ("verispec_time_to_first_token_seconds", "histogram"),
-                       ("verispec_time_per_output_token_seconds", "histogram")]:
+                       ("verispec_time_per_output_token_seconds", "histogram"),
+                       ("verispec_request_latency_seconds", "histogram"), ("verispec_completions_total", "counter"),
+                       ("verispec_http_requests_total", "counter"), ("verispec_requests_running", "gauge"),
+                       ("verispec_requests_waiting", "gauge"), ("verispec_server_requests_in_flight", "gauge"),
+                       ("verispec_drafts_total", "counter"), ("verispec_accepted_tokens_per_position_total", "counter")]:
         assert f"# TYPE {name} {kind}" in text
     assert sum(v for k, v in samples.items() if k.startswith("verispec_requests_total{")) >= 2
     assert samples["verispec_tokens_generated_total"] > 0
     assert 0 < samples["verispec_accepted_tokens_total"] <= samples["verispec_draft_tokens_total"]
     assert 0 < samples["verispec_acceptance_rate"] <= 1
     assert samples['verispec_completions_total{finish_reason="length"}'] >= 1
-    assert samples['verispec_http_requests_total{endpoint="/v1/completions",code="200"}'] >= 2
+    assert samples['verispec_http_requests_total{code="200",endpoint="/v1/completions"}'] >= 2
     assert samples["verispec_server_requests_in_flight"] == 0
+    assert samples["verispec_batch_size"] == samples["verispec_requests_running"]
     for histogram in ("verispec_time_to_first_token_seconds", "verispec_time_per_output_token_seconds"):
         buckets = [v for k, v in samples.items() if k.startswith(f"{histogram}_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == samples[f"{histogram}_count"] > 0
         assert f'{histogram}_bucket{{le="+Inf"}}' in samples
+    if samples["verispec_drafts_total"] > 0:  # the engine reports blocks and per-position acceptance
+        per_position = [v for k, v in samples.items() if k.startswith("verispec_accepted_tokens_per_position_total{")]
+        assert sum(per_position) == samples["verispec_accepted_tokens_total"]
+        # Draft i is kept only if every draft before it was: counts never grow with the position.
+        by_position = [samples[f'verispec_accepted_tokens_per_position_total{{position="{i}"}}']
+                       for i in range(len(per_position))]
+        assert by_position == sorted(by_position, reverse=True) and by_position[0] <= samples["verispec_drafts_total"]
 
 
 # ---------------------------------------------------------------------------------------------- load
 
 
 PROMPTS = ["def x ( y ) :", "hello world", "the cat", "print 1 + 2", "for x in y :", "a dog", "return z", "if x"]
+ABORTED_MAX_TOKENS = 100  # only the requests whose client hangs up ask for so many
 
 
 def _load_settings(i: int) -> dict:
@@ -516,7 +656,7 @@ def _load_settings(i: int) -> dict:
     if kind in (1, 3, 5):
         settings.update(stream=True)
     if kind == 6:
-        settings.update(abort_after=random.Random(i).choice([0.01, 0.05, 0.2]), max_tokens=100)
+        settings.update(abort=True, max_tokens=ABORTED_MAX_TOKENS, stream=True)
     if kind == 7:
         settings.update(n=2)
     return settings
@@ -535,7 +675,7 @@ def test_load_64_concurrent_clients(live) -> None:
 
     for i in range(clients):  # every distinct request, served alone first
         settings = _load_settings(i)
-        if "abort_after" not in settings and key(settings) not in solo:
+        if "abort" not in settings and key(settings) not in solo:
             body = _post(live, "/v1/completions", {"model": MODEL, **settings, "stream": False}).json()
             solo[key(settings)] = text_of(body)
 
@@ -544,13 +684,14 @@ def test_load_64_concurrent_clients(live) -> None:
     counts = {"done": 0, "aborted": 0, "finished_before_abort": 0}
 
     async def one(client: httpx.AsyncClient, settings: dict) -> None:
-        body = {"model": MODEL, **{k: v for k, v in settings.items() if k != "abort_after"}}
-        if "abort_after" in settings:
-            try:
-                await asyncio.wait_for(client.post("/v1/completions", json=body), settings["abort_after"])
-                counts["finished_before_abort"] += 1
-            except asyncio.TimeoutError:
-                counts["aborted"] += 1
+        body = {"model": MODEL, **{k: v for k, v in settings.items() if k != "abort"}}
+        if "abort" in settings:  # hang up after the first piece, while the request runs
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        finished = json.loads(line[6:])["choices"][0]["finish_reason"] is not None
+                        counts["finished_before_abort" if finished else "aborted"] += 1
+                        return
             return
         if body.get("stream"):
             body["stream_options"] = {"include_usage": True}
@@ -594,7 +735,7 @@ def test_load_64_concurrent_clients(live) -> None:
 
     async def watch_batch(stop: asyncio.Event) -> None:
         while not stop.is_set():
-            batch_sizes.append(live.engine.metrics()["batch_size"])
+            batch_sizes.append(live.engine.metrics()["running"])
             await asyncio.sleep(0.01)
 
     async def main() -> None:
@@ -605,20 +746,22 @@ def test_load_64_concurrent_clients(live) -> None:
         stop.set()
         await watcher
 
-    asyncio.run(main())
+    # An aborted request holds the engine from its first token until the server has cancelled it, so every
+    # hang-up lands while its request runs, on a fast machine or a slow one.
+    with CancelGate(live, gated=lambda request: request.max_new_tokens == ABORTED_MAX_TOKENS):
+        asyncio.run(main())
     assert max(batch_sizes) > 1  # requests really shared the batch
     assert not failures, "\n".join(failures[:10])
     # Every client finishes at least one request before its deadline check, however slow the machine is.
     assert sum(counts.values()) >= clients and counts["done"] >= 1 and counts["aborted"] >= 1
     end_metrics = _idle(live)  # every row has left the batch: the caches are back to empty
-    assert end_metrics["batch_size"] == start_metrics["batch_size"] == 0
+    assert end_metrics["running"] == start_metrics["running"] == 0
     assert end_metrics["requests_total"].get("cancelled", 0) > start_metrics["requests_total"].get("cancelled", 0)
 
 
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-@pytest.mark.skipif(not (ROOT / "verispec" / "engine.py").exists(), reason="needs verispec/engine.py")
 def test_cli_serve_runs_a_server(model_dirs) -> None:
     target, draft = model_dirs
     with socket.socket() as sock:

@@ -1,5 +1,5 @@
-"""A word-level tokenizer for the serving tests: one word = one token, so token counts can be read off the
-text. Only EOS is special: every other id decodes to exactly one word."""
+"""Helpers of the serving tests: a word-level tokenizer (one word = one token, so token counts can be read
+off the text; only EOS is special: every other id decodes to exactly one word) and a Prometheus text parser."""
 
 from __future__ import annotations
 
@@ -26,3 +26,16 @@ def word_tokenizer():
 
 def ids(words: str) -> list[int]:
     return [WORDS.index(w) for w in words.split()]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{'name{label="value",...}': value}``, labels sorted by name (their order in the
+    text carries no meaning), with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
