@@ -165,7 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .serving.app import serve
     except ImportError as error:
-        raise CliError(f"serving needs fastapi and uvicorn (pip install 'verispec[server]'): {error}") from error
+        raise CliError(f"serving needs fastapi, uvicorn and prometheus_client (pip install 'verispec[server]'): "
+                       f"{error}") from error
     decoder, tokenizer = build_decoder(args)
     return serve(decoder, tokenizer, model_name=args.model_name or args.target, host=args.host, port=args.port,
                  max_batch_size=args.max_batch_size, max_context=args.max_context,

@@ -505,11 +505,12 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_accepted(live
     assert response.json()["choices"][0]["text"] == _complete(live, "hello world", max_tokens=4).choices[0].text
 
 
-def test_a_body_without_content_type_is_read_as_json(live) -> None:
+@pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}])
+def test_a_body_that_is_not_sent_as_json_is_refused(live, headers) -> None:
+    """A browser can send these cross-site without asking first; FastAPI reads only JSON bodies."""
     body = json.dumps({"model": MODEL, "prompt": "hello world", "max_tokens": 3, "temperature": 0}).encode()
-    response = httpx.post(f"{live.url}/v1/completions", content=body, timeout=30)
-    assert "content-type" not in response.request.headers
-    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+    response = httpx.post(f"{live.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert response.status_code == 400 and "application/json" in response.json()["error"]["message"]
 
 
 def test_openapi_documents_every_request_and_response_body(live) -> None:

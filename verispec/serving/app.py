@@ -262,8 +262,7 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     """
     eos = _default_eos_ids(tokenizer) if eos_token_ids is None else list(eos_token_ids)
     server = Server(engine, tokenizer, model_name, max_context, eos, default_max_tokens)
-    # A body sent without a Content-Type is read as JSON, as before FastAPI validated bodies.
-    app = FastAPI(title="verispec", version=__version__, strict_content_type=False)
+    app = FastAPI(title="verispec", version=__version__)
     app.state.verispec = server
     app.openapi = _with_chunk_schemas(app)
 
