@@ -134,7 +134,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     decoder, tokenizer = build_decoder(args)
     prompt_ids = encode_prompt(tokenizer, args.prompt or DEMO_PROMPT, chat=False)
     eos = eos_token_ids(tokenizer, decoder.target_model)
-    common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, eos_token_id=eos)
+    common = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "eos_token_id": eos}
     print(args.prompt or DEMO_PROMPT, end="", flush=True)
     _log("warm-up pass")
     decoder.generate([prompt_ids], max_new_tokens=4, draft=None)

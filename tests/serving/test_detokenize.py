@@ -9,9 +9,9 @@ import json
 import random
 
 import pytest
+from serving_support import EOS, ids, word_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
-from serving_support import EOS, ids, word_tokenizer
 
 from verispec.serving.detokenize import CONTEXT_TOKENS, REPLACEMENT, IncrementalDecoder, TextState
 
