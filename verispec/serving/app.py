@@ -32,7 +32,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -236,17 +235,17 @@ def _documented(response: type[BaseModel], chunk: type[BaseModel]) -> dict:
 
 def _with_chunk_schemas(app: FastAPI) -> Callable[[], dict]:
     """``app.openapi`` that also defines the stream chunks, which no route returns as JSON."""
+    generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schema = generate()  # FastAPI's own, cached in app.openapi_schema
             _, definitions = models_json_schema([(CompletionChunk, "serialization"),
                                                  (ChatCompletionChunk, "serialization")],
                                                 ref_template="#/components/schemas/{model}")
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             for name, definition in definitions.get("$defs", {}).items():
                 schemas.setdefault(name, definition)
-            app.openapi_schema = schema
         return app.openapi_schema
 
     return openapi
