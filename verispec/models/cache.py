@@ -1,8 +1,9 @@
 """Model adapter: a causal LM plus its KV cache, with per-row rollback.
 
-Rows of a batch accept different numbers of draft tokens, so rolling back cannot simply crop the cache by
-one amount (PITFALLS #6). Every cache slot instead carries a validity bit in ``slot_mask`` (``[B, S]``),
-which is passed to the model as its 2-D attention mask:
+Rows of a batch accept different numbers of draft tokens, so rolling back cannot crop the cache by one
+amount: a row that kept fewer drafts would keep the others' rejected slots, or lose its own kept ones. Every
+cache slot instead carries a validity bit in ``slot_mask`` (``[B, S]``), which is passed to the model as its
+2-D attention mask:
 
 - a forward pass appends one slot per input column for every row;
 - rolling back a row clears the bits of its rejected slots (they become holes that nothing attends to),
@@ -11,8 +12,11 @@ which is passed to the model as its 2-D attention mask:
   never shift a row's positions;
 - when holes make up too much of the cache it is compacted (valid slots gathered to the right).
 
-Only plain full-attention caches can be rolled back like this; sliding-window or recurrent (linear
-attention) layers are refused with a clear error (PITFALLS #4).
+This is exact only for models whose forward stores its state in the cache it is given and whose attention
+depends on positions and the mask, not on slot indices. ``CachedLM(model)`` checks both: sliding-window and
+recurrent cache layers, which cannot be rewound and would silently lose state, are refused from the cache's
+layer types; everything else is found by running the model once on a few tokens
+(:func:`verispec.models.capability.probe`), never from its class name.
 """
 
 from __future__ import annotations
@@ -37,13 +41,12 @@ def model_device(model: torch.nn.Module) -> torch.device:
 
 
 def max_positions(model: PreTrainedModel) -> int | None:
-    """The longest sequence the model's position embeddings cover, if its config says."""
-    config = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    """The longest sequence (prompt + new tokens) verispec decodes exactly with this model, if its config
+    says: the size of its position range, or less where its rotary embedding switches frequencies at a length
+    (see :func:`verispec.models.capability.position_limit`, which also gives the reason)."""
+    from .capability import position_limit  # capability runs CachedLM, so it imports this module
+
+    return position_limit(model)[0]
 
 
 class CachedLM:
@@ -58,25 +61,28 @@ class CachedLM:
     compact_slack = 8  # ...plus this many, so short caches are not gathered every step
 
     def __init__(self, model: PreTrainedModel, check: bool = True) -> None:
+        """``check``: refuse (``UnsupportedModelError``, a ``ValueError``) a model this adapter cannot roll back
+        exactly; the first check of a model runs it once on a few tokens (remembered per model)."""
         self.model = model
         self.device = model_device(model)
         self.cache = DynamicCache(config=model.config)
         if check:
             self._check_rollback_supported()
+        limit = max_positions(model)
+        self._last_position = None if limit is None else limit - 1
         self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S]
 
     def _check_rollback_supported(self) -> None:
+        from .capability import UNROLLABLE_LAYERS, UnsupportedModelError, require_exact_rollback
+
         bad = [
             type(layer).__name__
             for layer in self.cache.layers
             if type(layer) is not DynamicLayer  # sliding windows and recurrent states cannot be rewound
         ]
         if bad:
-            name = type(self.model).__name__
-            raise ValueError(
-                f"{name} uses cache layers that cannot be rolled back ({sorted(set(bad))}); verispec supports "
-                "full-attention models only (sliding-window / recurrent layers would silently lose state)"
-            )
+            raise UnsupportedModelError(self.model, UNROLLABLE_LAYERS, f"layer types {sorted(set(bad))}")
+        require_exact_rollback(self.model)
 
     @property
     def batch_size(self) -> int:
@@ -98,7 +104,14 @@ class CachedLM:
         position_ids: torch.Tensor,  # [B, n]
         num_logits: int | None = None,  # keep logits for only the last positions (prefill needs none)
     ) -> torch.Tensor:
-        """Append ``n`` slots per row and return float32 logits ``[B, num_logits or n, V]``."""
+        """Append ``n`` slots per row and return float32 logits ``[B, num_logits or n, V]``.
+
+        Positions past the model's limit are clamped to its last position. Callers refuse requests that would
+        need them, so only filler columns get there (a row drafting fewer tokens than the batch's block, near
+        the end of its context); clamped, a filler column can neither index past a learned position table
+        nor switch a length-dependent rotary scaling (longrope) for every row of the pass."""
+        if self._last_position is not None:
+            position_ids = position_ids.clamp(max=self._last_position)
         self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
         out = self.model(
             input_ids=input_ids.to(self.device),
@@ -125,6 +138,22 @@ class CachedLM:
             self.cache.crop(-unused)
             self.slot_mask = self.slot_mask[:, :-unused]
         self._maybe_compact()
+
+    @torch.inference_mode()
+    def append_holes(self, num_slots: int) -> None:
+        """Append ``num_slots`` masked slots (zero keys and values) to every row without running the model, as
+        if every row had rejected that many drafts."""
+        if num_slots <= 0:
+            return
+        for layer in self.cache.layers:
+            states = _states(layer)
+            if states is None:
+                continue
+            layer.keys, layer.values = (
+                torch.cat([s, s.new_zeros((*s.shape[:2], num_slots, s.shape[-1]))], dim=2) for s in states
+            )
+        holes = torch.zeros(self.batch_size, num_slots, dtype=torch.bool, device=self.device)
+        self.slot_mask = torch.cat([self.slot_mask, holes], dim=1)
 
     @torch.inference_mode()
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:

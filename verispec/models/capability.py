@@ -1,0 +1,292 @@
+"""Which models verispec can decode exactly: found by running the model on a few tokens, not by its class.
+
+The cache adapter (``cache.CachedLM``) rolls rows back by clearing validity bits and passes explicit position
+ids, so it relies on four things a model either does or does not do, whatever its name:
+
+1. its forward takes a ``DynamicCache`` as ``cache=`` and stores every input column in it, so a later pass
+   sees the earlier tokens through the cache (RWKV keeps its state in another argument and silently drops the
+   cache; OpenAI-GPT has no cache at all);
+2. position ids 0, 1, 2, ... give the logits of its own forward (RoBERTa-style models number positions from
+   their padding id, and a causal LM must not see later tokens);
+3. what a key contributes depends only on the row's attention mask and the position ids it was given, not on
+   the slot it sits in, so masked slots (left padding; holes left by rejected drafts) change nothing (MPT
+   builds ALiBi from the key's slot index; GPT-Neo's local layers are a fixed band over slots);
+4. a row's logits do not depend on the other rows of the batch (a model choosing rotary frequencies from
+   the largest position in the whole batch would fail here).
+
+:func:`probe` checks all four in six small forward passes: six tokens through the model's own forward,
+through the cache alone and beside another row, then three rows through the cache with left padding,
+positions at the end of the range, a per-row rollback and masked slots inserted without running the model.
+It compares logits, with a tolerance set by the rounding noise it measures on the model itself.
+:func:`require_exact_rollback` raises :class:`UnsupportedModelError` (a ``ValueError``) naming the model type
+and the failed property; its verdict is remembered per model.
+
+Rotary scalings that switch frequencies past a length (Phi-3 "longrope": once a sequence is longer than
+``original_max_position_embeddings`` every position is re-encoded with other factors, which transformers'
+own generation handles by recomputing the whole cache) are not a fault of the cache: :func:`position_limit`
+caps such models at the switch, so requests that would cross it are refused up front.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+# Logits that should be equal differ by rounding: batched and one-row matrix products round differently, and
+# a draft quantised to int8 with dynamic activation scales rounds each row by a scale taken over the whole
+# batch (about 3% of the largest logit). The probe measures that noise on the model itself (one row alone vs
+# beside another row) and fails a property only when its difference exceeds NOISE_FACTOR times the noise and
+# TOLERANCE_FLOOR, both as fractions of the largest logit. In float32 the noise is about 1e-7; the faults
+# this catches differ by 1e-2 (a bidirectional model) to 1 (a model ignoring its cache).
+TOLERANCE_FLOOR = 1e-3
+NOISE_FACTOR = 10.0
+
+# Masked slots inserted between a row's prompt and its next tokens: at least this many (a shifted ALiBi bias
+# grows with the hole), and more than any attention window the config names (a band over slots narrower
+# than the hole shows only then), up to the cap.
+MIN_HOLE = 8
+MAX_HOLE = 4096
+
+# Reasons, short enough for a table; the error message adds what was measured.
+FORWARD_FAILS = "its forward fails when given a KV cache"
+NO_CACHE_STATE = "it ignores the KV cache it is given (its state travels elsewhere)"
+POSITIONS_DIFFER = "position ids 0, 1, 2, ... change its logits: it numbers positions its own way"
+NOT_CAUSAL = "its logits at a position depend on later tokens: it is not causal as configured"
+ROWS_INTERACT = "a row's logits depend on the other rows of the batch"
+PADDING_CHANGES = "left padding changes its logits: the attention mask or position ids are not honoured"
+CACHE_DIFFERS = "decoding with its cache differs from a full forward pass"
+SLOT_DEPENDENT = "masked cache slots change its logits: attention depends on slot indices, not positions"
+UNROLLABLE_LAYERS = "its cache has sliding-window or recurrent layers, which cannot be rolled back"
+
+
+class UnsupportedModelError(ValueError):
+    """verispec cannot decode this model exactly. ``model_type`` and ``reason`` (one of this module's reason
+    phrases) say which model and why."""
+
+    def __init__(self, model: PreTrainedModel, reason: str, detail: str = "") -> None:
+        self.model_type = model_type(model)
+        self.reason = reason
+        super().__init__(
+            f"{type(model).__name__} (model type {self.model_type!r}) is not supported: {reason}"
+            f"{'; ' + detail if detail else ''}. verispec would roll its cache back wrongly, so it refuses the "
+            "model rather than return output that differs from the model's own"
+        )
+
+
+@dataclass
+class ProbeResult:
+    """Largest relative logit difference per property (0 = identical), the first failed reason (None if the
+    model passed) and what the probe cost."""
+
+    differences: dict[str, float] = field(default_factory=dict)
+    noise: float = 0.0  # difference between one row alone and the same row beside another
+    tolerance: float = TOLERANCE_FLOOR
+    reason: str | None = None
+    detail: str = ""
+    seconds: float = 0.0
+    forward_passes: int = 0
+
+    @property
+    def supported(self) -> bool:
+        return self.reason is None
+
+
+def model_type(model: PreTrainedModel) -> str:
+    return str(getattr(model.config, "model_type", None) or type(model).__name__)
+
+
+def position_limit(model: PreTrainedModel) -> tuple[int | None, str | None]:
+    """``(limit, reason)``: the longest sequence (prompt + new tokens) verispec decodes exactly with this model,
+    from its config, and why, when the limit is a rotary switch rather than the position table's size."""
+    config = model.config.get_text_config()
+    limit = None
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            limit = value
+            break
+    switch = _rotary_switch(config)
+    if switch is not None and (limit is None or switch < limit):
+        reason = (
+            f"its longrope rotary scaling re-encodes every position once a sequence is longer than "
+            f"original_max_position_embeddings={switch} (transformers recomputes the whole cache there); "
+            "longer requests are refused"
+        )
+        return switch, reason
+    return limit, None
+
+
+def _rotary_switch(config) -> int | None:
+    """The sequence length past which a 'longrope' rotary scaling changes every position's frequencies."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    switches = []
+    for entry in per_layer:
+        if entry.get("rope_type") == "longrope":
+            value = entry.get("original_max_position_embeddings",
+                              getattr(config, "original_max_position_embeddings", None))
+            if isinstance(value, int) and value > 0:
+                switches.append(value)
+    return min(switches, default=None)
+
+
+def _hole_size(model: PreTrainedModel, limit: int | None) -> int:
+    """Masked slots to insert: more than any attention window the text config names, within the model's
+    position range and the cap."""
+    windows = [
+        value for name, value in model.config.get_text_config().to_dict().items()
+        if "window" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0
+    ]
+    size = max([MIN_HOLE] + [w + 1 for w in windows])
+    room = MAX_HOLE if limit is None else max(MIN_HOLE, min(MAX_HOLE, limit - 16))
+    return min(size, room)
+
+
+def _probe_tokens(model: PreTrainedModel, count: int) -> list[int]:
+    """``count`` distinct ordinary token ids spread over the vocabulary (no pad / bos / eos ids)."""
+    from .cache import model_vocab_size
+
+    size = min(model.get_input_embeddings().weight.shape[0], model_vocab_size(model))
+    special = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "unk_token_id"):
+        value = getattr(model.config.get_text_config(), name, None)
+        special.update(value if isinstance(value, (list, tuple)) else [value])
+    tokens: list[int] = []
+    for i in range(size):
+        token = (size // 5 + 7919 * i) % size  # a fixed stride over the vocabulary, prime to most sizes
+        if token not in special and token not in tokens:
+            tokens.append(token)
+        if len(tokens) == count:
+            return tokens
+    raise ValueError(f"vocabulary of {size} ids is too small to probe")
+
+
+def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference as a fraction of the largest logit (NaN counts as a total mismatch)."""
+    scale = want.abs().max().clamp(min=1e-6)
+    diff = ((got - want).abs().max() / scale).item()
+    return diff if diff == diff else float("inf")
+
+
+@torch.inference_mode()
+def probe(model: PreTrainedModel) -> ProbeResult:
+    """Run the model on two rows of six tokens, once alone and once through verispec's cache with left
+    padding, far positions, per-row rollback and inserted holes, and compare the logits.
+
+    Deterministic (fixed token ids, no randomness) and side-effect free: runs in inference mode with the model
+    in eval mode (restored after), on a cache of its own. Cost: six forward passes (one row of six tokens twice,
+    two rows of six, then three rows of four, two and two), the last over up to ``MAX_HOLE`` inserted masked slots; one more for a
+    model that fails.
+    """
+    from .cache import CachedLM
+
+    result = ProbeResult()
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    try:
+        _run_probe(model, result, CachedLM)
+    except Exception as err:  # any failure inside the model's forward: the model cannot run this way
+        result.reason = FORWARD_FAILS
+        result.detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+    finally:
+        model.train(was_training)
+        result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run_probe(model: PreTrainedModel, result: ProbeResult, CachedLM) -> None:  # noqa: N803
+    limit, _ = position_limit(model)
+    n = 6
+    t = _probe_tokens(model, n + 3)
+    tokens, junk, pad = t[:n], t[n : n + 2], t[n + 2]
+    far = limit - n if limit is not None and limit >= 2 * n else 0  # row 2 sits at the end of the range
+
+    def alone(length: int) -> torch.Tensor:
+        """Logits [length, V] of the first ``length`` tokens in one pass: no cache history, no padding."""
+        lm = CachedLM(model, check=False)
+        lm.reset(1)
+        ids = torch.tensor([tokens[:length]])
+        result.forward_passes += 1
+        return lm.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(length)[None, :])[0]
+
+    want = alone(n)
+    device = want.device
+    result.forward_passes += 1  # the model's own forward: no cache, no mask, positions of its choosing
+    own = model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits[0].float()
+    if not (torch.isfinite(want).all() and torch.isfinite(own).all()):  # nothing to compare with; decoding reports non-finite logits itself
+        result.detail = "not judged: the model's own logits are not finite"
+        return
+    # Rounding noise: the same row beside another one (other tokens, same positions), no cache features.
+    lm = CachedLM(model, check=False)
+    lm.reset(2)
+    ids = torch.tensor([tokens, tokens[::-1]])
+    result.forward_passes += 1
+    beside = lm.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(n).expand(2, n))[0]
+    result.noise = _difference(beside, want)
+    result.tolerance = max(TOLERANCE_FLOOR, NOISE_FACTOR * result.noise)
+
+    lm = CachedLM(model, check=False)
+    lm.reset(3)
+
+    def step(ids: list[list[int]], mask: list[list[bool]], positions: list[list[int]]) -> torch.Tensor:
+        result.forward_passes += 1
+        return lm.forward(torch.tensor(ids), torch.tensor(mask), torch.tensor(positions))
+
+    # Three rows: row 0 plain; row 1 left-padded by two; row 2 the same tokens at the end of the position
+    # range, there only to show whether one row's positions change another row's logits.
+    on = [True, True]
+    prefill = step([tokens[:4], [pad, pad] + tokens[:2], tokens[:4]],
+                   [on * 2, [False, False, True, True], on * 2],
+                   [[0, 1, 2, 3], [0, 0, 0, 1], [far, far + 1, far + 2, far + 3]])
+    # One block: rows 0 and 2 get two drafts that will be rejected, row 1 its next two tokens, kept.
+    block = step([junk, tokens[2:4], junk], [on, on, on], [[4, 5], [2, 3], [far + 4, far + 5]])
+    lm.rollback([0, 2, 0], 2)  # rows 0 and 2: their drafts become holes in the shared cache
+    stored, slots = lm.cache.get_seq_length(), lm.num_slots
+    lm.append_holes(_hole_size(model, limit))  # and a wider hole for every row
+    final = step([tokens[4:]] * 3, [on, on, on], [[4, 5], [4, 5], [far + 4, far + 5]])
+
+    checks = [
+        (NO_CACHE_STATE, 0.0 if stored == slots else float("inf"), f"its cache holds {stored} of {slots} slots"),
+        (POSITIONS_DIFFER, _difference(want, own), ""),
+        (ROWS_INTERACT, _difference(prefill[0], want[:4]), ""),
+        (PADDING_CHANGES, _difference(prefill[1, 2:], want[:2]), ""),
+        (CACHE_DIFFERS, _difference(block[1], want[2:4]), ""),
+        (SLOT_DEPENDENT, max(_difference(final[0], want[4:]), _difference(final[1], want[4:])), ""),
+    ]
+    for reason, difference, detail in checks:
+        result.differences[reason] = difference
+        if result.reason is None and difference > result.tolerance:
+            result.reason = reason
+            result.detail = detail or (f"logits differed by {difference:.3g} of their largest value, beyond the "
+                                       f"tolerance of {result.tolerance:.3g} for its rounding")
+    if result.reason == ROWS_INTERACT and _difference(alone(4), want[:4]) > result.tolerance:
+        result.reason = NOT_CAUSAL  # the first four tokens alone already differ: later tokens changed them
+
+
+# Verdicts per model object, with what they depend on (layer count: early-exit drafts probe a truncated model;
+# dtype), so that decoders and drafters built around one model probe it once.
+_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def require_exact_rollback(model: PreTrainedModel) -> ProbeResult:
+    """Probe ``model`` (once per model, layer count and dtype) and raise :class:`UnsupportedModelError` if
+    verispec's cache cannot reproduce its own logits."""
+    config = model.config.get_text_config()
+    key = (getattr(config, "num_hidden_layers", None), getattr(next(model.parameters(), None), "dtype", None))
+    cached = _verdicts.get(model)
+    if cached is None or cached[0] != key:
+        cached = _verdicts[model] = (key, probe(model))
+    result = cached[1]
+    if not result.supported:
+        raise UnsupportedModelError(model, result.reason, result.detail)
+    return result
+
+
+__all__ = ["ProbeResult", "UnsupportedModelError", "position_limit", "probe", "require_exact_rollback"]
