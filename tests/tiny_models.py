@@ -5,9 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 
-import numpy as np
 import torch
-from scipy import stats as scipy_stats
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -17,6 +15,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from verispec.drafters import ModelDrafter, Proposal
 
 VOCAB = 512
 KINDS = ("gpt2", "llama", "qwen2")
@@ -73,15 +73,21 @@ def reference_greedy(model: PreTrainedModel, tokens: list[int], max_new_tokens: 
     return out[0, len(tokens):].tolist()
 
 
-def chi_square_p(observed: np.ndarray, law: np.ndarray, min_expected: float) -> float:
-    """Chi-square p-value of ``observed`` counts against ``law``; cells expecting fewer than ``min_expected``
-    counts are merged into one. Fails if anything landed where the law puts no mass."""
-    expected_counts = law.ravel() * observed.sum()
-    observed = observed.ravel()
-    assert observed[expected_counts == 0].sum() == 0  # nothing outside the top-k / top-p support
-    keep = expected_counts >= min_expected
-    merged_obs = np.append(observed[keep], observed[~keep].sum())
-    merged_exp = np.append(expected_counts[keep], expected_counts[~keep].sum())
-    if merged_exp[-1] == 0:
-        merged_obs, merged_exp = merged_obs[:-1], merged_exp[:-1]
-    return scipy_stats.chisquare(merged_obs, merged_exp * merged_obs.sum() / merged_exp.sum()).pvalue
+class ConfidentDrafter(ModelDrafter):
+    """A ModelDrafter with fixed per-row early-stop thresholds (row b gets ``thresholds[b % len]``), whatever
+    the batch passes: to test the early-stop path on its own. Counts the blocks it cut short."""
+
+    def __init__(self, model: PreTrainedModel, thresholds: list[float]) -> None:
+        super().__init__(model)
+        self.thresholds = thresholds
+        self.short_blocks = 0
+
+    def fork(self) -> ConfidentDrafter:
+        return ConfidentDrafter(self.model, self.thresholds)
+
+    def propose(self, num_draft_tokens: int, uniforms, stop_below=None) -> Proposal:
+        own = [self.thresholds[b % len(self.thresholds)] for b in range(len(self.pending))]
+        proposal = super().propose(num_draft_tokens, uniforms, own)
+        if proposal.draft_lengths is not None:
+            self.short_blocks += int((proposal.draft_lengths < num_draft_tokens).sum())
+        return proposal

@@ -1,4 +1,4 @@
-"""Draft-length policies (verispec/gamma.py): the cost model's closed forms, the heuristic schedule, the online
+"""Draft-length policies (verispec/policy): the cost model's closed forms, the heuristic schedule, the online
 estimators converging in a simulated world, and the decoder staying exact whatever length is chosen."""
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from tiny_models import pair, prompt, reference_greedy
 
 from verispec import NGramDrafter, SpeculativeDecoder
 from verispec.policy import (
+    AcceptanceEstimate,
+    AcceptancePool,
     CostModelGamma,
     FixedGamma,
     HeuristicGamma,
     PositionCounts,
+    StepRecord,
     best_gamma,
     expected_tokens,
     expected_tokens_by_position,
@@ -107,24 +110,43 @@ def test_interior_optimum_computed_by_hand() -> None:
 def test_heuristic_schedule_plus_two_minus_one_floor_one() -> None:
     policy = HeuristicGamma(start=5, max_gamma=16)
     assert policy.choose(100) == 5
-    policy.observe(5, [5, 5], [5, 5], 0.0, 0.0)  # every row kept its whole block
+    policy.observe(StepRecord(5, [5, 5], [5, 5], 0.0, 0.0))  # every row kept its whole block
     assert policy.choose(100) == 7
-    policy.observe(7, [7, 7], [7, 3], 0.0, 0.0)  # one row rejected something
+    policy.observe(StepRecord(7, [7, 7], [7, 3], 0.0, 0.0))  # one row rejected something
     assert policy.choose(100) == 6
-    policy.observe(6, [6, 2], [6, 2], 0.0, 0.0)  # a row with a shorter proposal kept all of it: full block
+    policy.observe(StepRecord(6, [6, 2], [6, 2], 0.0, 0.0))  # a row with a shorter proposal kept all of it: full block
     assert policy.choose(100) == 8
-    policy.observe(0, [0], [0], 0.0, 0.0)  # a step without drafts teaches nothing
+    policy.observe(StepRecord(0, [0], [0], 0.0, 0.0))  # a step without drafts teaches nothing
     assert policy.choose(100) == 8
     for _ in range(20):
-        policy.observe(policy.choose(100), [3], [0], 0.0, 0.0)
+        policy.observe(StepRecord(policy.choose(100), [3], [0], 0.0, 0.0))
     assert policy.choose(100) == 1  # floor
     for _ in range(20):
         g = policy.choose(100)
-        policy.observe(g, [g], [g], 0.0, 0.0)
+        policy.observe(StepRecord(g, [g], [g], 0.0, 0.0))
     assert policy.choose(100) == 16  # cap
     assert policy.choose(3) == 3  # never past the budget
     policy.reset()
     assert policy.choose(100) == 5
+
+
+def test_heuristic_learns_nothing_from_a_step_where_no_row_drafted() -> None:
+    # No row proposed anything (no lookup match anywhere, or no rows): no block was judged, so none was kept in
+    # full. all([]) is True, which once read such a step as "every block accepted" and added 2 each time.
+    policy = HeuristicGamma(start=5, max_gamma=16)
+    policy.observe(StepRecord(5, [], []))
+    policy.observe(StepRecord(5, [0, 0], [0, 0]))
+    assert policy.choose(100) == 5
+    policy.observe(StepRecord(5, [0, 4], [0, 4]))  # the one row that drafted kept everything
+    assert policy.choose(100) == 7
+
+
+def test_step_record_rows() -> None:
+    record = StepRecord(4, [4, 2], [1, 2], draft_time_s=0.3, target_time_s=1.0)
+    assert record.batch_rows == 2
+    assert record.row(1) == StepRecord(4, [2], [2])  # a row's share carries no timings
+    with pytest.raises(ValueError):
+        StepRecord(4, [4, 2], [1])
 
 
 def test_fixed_gamma_respects_the_budget() -> None:
@@ -159,7 +181,7 @@ class World:
             kept.append(n)
         noise = 1.0 + 0.01 * (2.0 * rng.random() - 1.0)
         draft_time, target_time = gamma * self.draft_cost * noise, self.target_cost(gamma + 1) * noise
-        policy.observe(gamma, [gamma] * rows, kept, draft_time, target_time)
+        policy.observe(StepRecord(gamma, [gamma] * rows, kept, draft_time, target_time))
         return gamma
 
 
@@ -195,14 +217,14 @@ def test_cost_model_converges_to_the_best_gamma(world: World, seed: int) -> None
     policy = CostModelGamma(max_gamma=10)
     choices = [world.step(policy, rng) for _ in range(600)]
     best = world.best()
-    assert abs(policy.acceptance - world.acceptance) < 0.02
-    assert math.isclose(policy.draft_cost.value or 0.0, world.draft_cost, rel_tol=0.05, abs_tol=1e-12)
+    assert abs(policy.estimate.acceptance - world.acceptance) < 0.02
+    assert math.isclose(policy.costs.draft_cost(32) or 0.0, world.draft_cost, rel_tol=0.05, abs_tol=1e-12)
     # Settled: the most frequent recent choice is the true optimum (a "don't draft" policy still probes 1 now
     # and then to re-measure, hence the mode rather than every choice).
     assert collections.Counter(choices[-100:]).most_common(1)[0][0] == best, (best, choices[-30:])
     # It measured the size it settled on and probed past it (unless capped).
-    assert 32 * (best + 1) in policy.target_cost  # keyed by tokens scored in the pass: 32 rows
-    assert best == 10 or 32 * (best + 2) in policy.target_cost
+    assert 32 * (best + 1) in policy.costs.target  # keyed by tokens scored in the pass: 32 rows
+    assert best == 10 or 32 * (best + 2) in policy.costs.target
     assert len(set(choices)) > 1
 
 
@@ -235,7 +257,8 @@ def test_cost_model_knows_drafts_that_pay_alone_do_not_pay_in_a_large_batch() ->
             while n < gamma and rng.random() < acceptance:
                 n += 1
             kept.append(n)
-        policy.observe(gamma, [gamma] * rows, kept, gamma * draft_cost(rows), target_cost(rows * (gamma + 1)))
+        record = StepRecord(gamma, [gamma] * rows, kept, gamma * draft_cost(rows), target_cost(rows * (gamma + 1)))
+        policy.observe(record)
         return gamma
 
     for rows in (1, 16, 1, 16):  # alternating phases: what was learnt at one size must not leak into the other
@@ -249,33 +272,33 @@ def test_cost_model_first_measures_then_probes_the_next_size_up() -> None:
     policy = CostModelGamma(max_gamma=10)
     assert policy.choose(100) == 5  # nothing measured: draft half the maximum
     assert policy.choose(3) == 3  # ...within the budget
-    policy.observe(5, [5], [2], draft_time_s=0.25, target_time_s=1.0)  # 0.05 s per draft token, a ~ 0.69
-    assert set(policy.target_cost) == {6}
-    model_choice = best_gamma(policy.acceptance, 0.05, [1.0] * 11, 10)  # only size 6 known: flat costs
+    policy.observe(StepRecord(5, [5], [2], draft_time_s=0.25, target_time_s=1.0))  # 0.05 s per draft token, a ~ 0.69
+    assert set(policy.costs.target) == {6}
+    model_choice = best_gamma(policy.estimate.acceptance, 0.05, [1.0] * 11, 10)  # only size 6 known: flat costs
     assert model_choice == 5
     probe = policy.choose(100)
-    assert probe == 6 and probe + 1 not in policy.target_cost  # the next size up, never measured
-    policy.observe(probe, [0], [0], 0.0, 1.0)  # measured (same cost); the acceptance estimate is unchanged
+    assert probe == 6 and probe + 1 not in policy.costs.target  # the next size up, never measured
+    policy.observe(StepRecord(probe, [0], [0], 0.0, 1.0))  # measured (same cost); the acceptance estimate is unchanged
     # Measured now: no second probe of it. The policy returns its model's choice or an unmeasured neighbour.
     again = policy.choose(100)
-    assert again == model_choice or (abs(again - model_choice) == 1 and again + 1 not in policy.target_cost)
+    assert again == model_choice or (abs(again - model_choice) == 1 and again + 1 not in policy.costs.target)
 
 
 def test_cost_model_that_says_dont_draft_still_probes_now_and_then() -> None:
     policy = CostModelGamma(max_gamma=10, probe_every=8)
-    policy.observe(1, [1], [0], draft_time_s=5.0, target_time_s=1.0)  # a draft token costs 5 target passes
-    policy.observe(0, [0], [0], draft_time_s=0.0, target_time_s=1.0)
+    policy.observe(StepRecord(1, [1], [0], draft_time_s=5.0, target_time_s=1.0))  # a draft token costs 5 target passes
+    policy.observe(StepRecord(0, [0], [0], draft_time_s=0.0, target_time_s=1.0))
     choices = [policy.choose(100) for _ in range(24)]
     assert choices == ([0] * 7 + [1]) * 3
     assert policy.choose(0) == 0  # no budget for drafts: no probe either
 
 
 def test_cost_model_remeasures_its_neighbours_now_and_then() -> None:
-    policy = CostModelGamma(max_gamma=10, refresh_every=4, prior_acceptance=0.8)
+    policy = CostModelGamma(max_gamma=10, refresh_every=4, estimate=AcceptanceEstimate(AcceptancePool(prior_acceptance=0.8)))
     for m in range(1, 12):  # every size measured: flat target costs, free drafts -> the longest draft wins
-        policy.observe(m - 1, [m - 1], [m - 1], draft_time_s=0.0, target_time_s=1.0)
-    policy.target_cost[11].value = 1.5  # one bad measurement of the longest size...
-    choice = best_gamma(policy.position_acceptance(10), policy.draft_cost.value, policy._target_costs(10), 10)
+        policy.observe(StepRecord(m - 1, [m - 1], [m - 1], draft_time_s=0.0, target_time_s=1.0))
+    policy.costs.target[11].value = 1.5  # one bad measurement of the longest size...
+    choice = best_gamma(policy.estimate.position_acceptance(10), policy.costs.draft_cost(), policy.costs.target_costs(10), 10)
     assert choice == 9
     choices = [policy.choose(100) for _ in range(16)]
     # ...is re-measured: every 4th step drafts one more, then one fewer, than the model's choice
@@ -290,8 +313,8 @@ def test_each_drafter_gets_its_own_cost_model_sharing_the_target_costs() -> None
     decoder.generate([prompt(5, 1)], max_new_tokens=10, draft=lookup)
     own, other = decoder._auto_policy, decoder._auto_for(lookup)
     assert other is not own and other is decoder._auto_for(lookup)  # one per drafter, kept across calls
-    assert other.target_cost is own.target_cost  # the machine's costs are shared...
-    assert other.draft_cost is not own.draft_cost and other.pool is not own.pool  # ...the draft's are not
+    assert other.costs.target is own.costs.target  # the machine's costs are shared...
+    assert other.costs.draft is not own.costs.draft and other.estimate.pool is not own.estimate.pool  # ...the draft's are not
     assert decoder._auto_for(partial) is own  # the decoder's own draft model, passed again
     assert decoder._auto_for(pair("llama")[1]) is not own  # another model passed per call is another draft
     del lookup
@@ -303,22 +326,25 @@ def test_each_drafter_gets_its_own_cost_model_sharing_the_target_costs() -> None
 
 def test_cost_model_reset_forgets_the_request_but_keeps_costs_and_the_pool() -> None:
     policy = CostModelGamma()
-    policy.observe(4, [4, 4], [0, 1], draft_time_s=0.4, target_time_s=2.0)
-    assert policy.acceptance < policy.pool_acceptance < policy.prior_acceptance
+    policy.observe(StepRecord(4, [4, 4], [0, 1], draft_time_s=0.4, target_time_s=2.0))
+    estimate, pool = policy.estimate, policy.estimate.pool
+    assert estimate.acceptance < pool.acceptance < pool.prior_acceptance
     policy.reset()
-    assert policy.counts.judged == [] and policy.acceptance == policy.pool_acceptance < policy.prior_acceptance
-    assert policy.target_cost[10].value == 2.0 and policy.draft_cost.value == 0.1  # 2 rows x 5 tokens scored
+    assert estimate.counts.judged == [] and estimate.acceptance == pool.acceptance < pool.prior_acceptance
+    assert policy.costs.target[10].value == 2.0 and policy.costs.draft_cost(2) == 0.1  # 2 rows x 5 tokens scored
 
 
 def test_rows_share_costs_and_pool_but_not_their_counts() -> None:
     policy = CostModelGamma()
     row_a, row_b = policy.for_row(), policy.for_row()
-    row_a.observe(4, [4], [4], None, None)
-    assert row_a.counts.judged == [1, 1, 1, 1] and row_b.counts.judged == []
-    assert row_b.pool is row_a.pool is policy.pool and policy.pool.judged
-    assert row_a.acceptance > row_b.acceptance > policy.prior_acceptance  # b starts from the pool's level
-    policy.observe(2, [2, 2], [], 0.1, 1.0)  # the batch-level call: costs only
-    assert row_a.target_cost is policy.target_cost and row_b.draft_cost.value == 0.05
+    row_a.observe(StepRecord(4, [4], [4]))  # a row's share of a step: acceptance only, no timings
+    assert row_a.estimate.counts.judged == [1, 1, 1, 1] and row_b.estimate.counts.judged == []
+    assert row_b.estimate.pool is row_a.estimate.pool is policy.estimate.pool and policy.estimate.pool.counts.judged
+    # b starts from the pool's level
+    assert row_a.estimate.acceptance > row_b.estimate.acceptance > policy.estimate.pool.prior_acceptance
+    policy.costs.observe(StepRecord(2, [2, 2], [1, 2], 0.1, 1.0))  # the batch-level record: costs only
+    assert row_a.costs is policy.costs and row_b.costs.draft_cost(2) == 0.05
+    assert row_a.estimate.counts.judged == [1, 1, 1, 1]  # the cost table does not count acceptance
 
 
 @pytest.mark.parametrize("length, kept, judged, kept_at", [
@@ -358,7 +384,7 @@ class BurstyWorld(World):
             while n < gamma and rng.random() < self.profile[n]:
                 n += 1
             kept.append(n)
-        policy.observe(gamma, [gamma] * rows, kept, gamma * self.draft_cost, self.target_cost(gamma + 1))
+        policy.observe(StepRecord(gamma, [gamma] * rows, kept, gamma * self.draft_cost, self.target_cost(gamma + 1)))
         return gamma
 
 
@@ -390,7 +416,7 @@ def _regime_world_rate(policy: CostModelGamma, seed: int, steps: int = 4000) -> 
             kept += 1
         seconds += gamma * 0.15 + 1.0 + 0.01 * gamma
         tokens += kept + 1
-        policy.observe(gamma, [gamma], [kept], gamma * 0.15, 1.0 + 0.01 * gamma)
+        policy.observe(StepRecord(gamma, [gamma], [kept], gamma * 0.15, 1.0 + 0.01 * gamma))
         if rng.random() < 0.1:
             copying = not copying
     return tokens / seconds
@@ -399,15 +425,16 @@ def _regime_world_rate(policy: CostModelGamma, seed: int, steps: int = 4000) -> 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_conditioning_on_the_previous_block_drafts_long_in_runs_and_short_outside(seed: int) -> None:
     conditioned = _regime_world_rate(CostModelGamma(max_gamma=12), seed)
-    plain = _regime_world_rate(CostModelGamma(max_gamma=12, condition_on_previous=False), seed)
+    unconditioned = AcceptanceEstimate(AcceptancePool(condition_on_previous=False))
+    plain = _regime_world_rate(CostModelGamma(max_gamma=12, estimate=unconditioned), seed)
     assert conditioned > 1.02 * plain, (conditioned, plain)
     policy = CostModelGamma(max_gamma=12)
     _regime_world_rate(policy, seed, steps=2000)
     choices = {}
     for previous_full in (True, False):
-        policy._previous_full = previous_full
-        choices[previous_full] = best_gamma(policy.position_acceptance(12), policy._draft_cost(),
-                                            policy._target_costs(12), 12)
+        policy.estimate.previous_full = previous_full
+        choices[previous_full] = best_gamma(policy.estimate.position_acceptance(12), policy.costs.draft_cost(),
+                                            policy.costs.target_costs(12), 12)
     after_full, after_rejection = choices[True], choices[False]
     assert after_full >= after_rejection + 4, (after_full, after_rejection)
 
@@ -427,17 +454,17 @@ def test_acceptance_estimate_is_the_censored_geometric_mle(acceptance: float) ->
             kept.append(n)
         kept_total += sum(kept)
         proposed_total += sum(lengths)
-        policy.observe(6, lengths, kept, 0.0, 1.0)
-    assert abs(policy.acceptance - acceptance) < 0.015
+        policy.observe(StepRecord(6, lengths, kept, 0.0, 1.0))
+    assert abs(policy.estimate.acceptance - acceptance) < 0.015
     # Why censoring matters: kept / proposed underestimates a (drafts after a rejection are never judged).
     assert kept_total / proposed_total < acceptance - 0.04
 
 
 def test_acceptance_starts_at_the_prior_and_rows_without_drafts_teach_nothing() -> None:
-    policy = CostModelGamma(prior_acceptance=0.7)
-    assert policy.acceptance == 0.7
-    policy.observe(3, [0, 0], [0, 0], 0.0, 1.0)
-    assert policy.acceptance == 0.7
+    policy = CostModelGamma(estimate=AcceptanceEstimate(AcceptancePool(prior_acceptance=0.7)))
+    assert policy.estimate.acceptance == 0.7
+    policy.observe(StepRecord(3, [0, 0], [0, 0], 0.0, 1.0))
+    assert policy.estimate.acceptance == 0.7
 
 
 # --- The decoder: any policy, same greedy output -----------------------------------------------------------------
@@ -480,13 +507,13 @@ def test_decoder_accepts_a_policy_instance_and_per_call_override() -> None:
 def test_stop_threshold_is_draft_cost_over_seconds_per_token() -> None:
     policy = CostModelGamma(per_position=False)
     assert policy.stop_threshold(4) == 0.0  # nothing measured: never stop
-    policy.observe(4, [4] * 8, [4, 4, 4, 3, 2, 4, 1, 4], draft_time_s=0.4, target_time_s=1.2)
-    a = policy.acceptance
+    policy.observe(StepRecord(4, [4] * 8, [4, 4, 4, 3, 2, 4, 1, 4], draft_time_s=0.4, target_time_s=1.2))
+    a = policy.estimate.acceptance
     seconds_per_token = (4 * 0.1 + 1.2) / expected_tokens(a, 4)
     assert math.isclose(policy.stop_threshold(4), 0.1 / seconds_per_token, rel_tol=1e-12)
     assert policy.stop_threshold(0) == 0.0
     expensive = CostModelGamma(per_position=False)
-    expensive.observe(1, [1], [1], draft_time_s=50.0, target_time_s=1.0)
+    expensive.observe(StepRecord(1, [1], [1], draft_time_s=50.0, target_time_s=1.0))
     assert expensive.stop_threshold(1) == 1.0  # capped: a probability
 
 
@@ -494,12 +521,12 @@ def test_stop_threshold_is_draft_cost_over_seconds_per_token() -> None:
 def test_decoder_with_early_stops_is_exact_and_seeded_sampling_reproducible(kind: str) -> None:
     target, partial, _ = pair(kind)
     decoder = SpeculativeDecoder(target, partial, num_draft_tokens="auto", stop_drafting=True)
-    seen: list[list[float] | None] = []  # the thresholds the decoder set before each proposal
+    seen: list[list[float] | None] = []  # the thresholds the batch passed with each proposal
     propose = decoder.drafter.propose
 
-    def spy(num_draft_tokens, uniforms):
-        seen.append(None if decoder.drafter.stop_below is None else list(decoder.drafter.stop_below))
-        return propose(num_draft_tokens, uniforms)
+    def spy(num_draft_tokens, uniforms, stop_below=None):
+        seen.append(None if stop_below is None else list(stop_below))
+        return propose(num_draft_tokens, uniforms, stop_below)
 
     decoder.drafter.propose = spy
     prompts = [prompt(6, 7), prompt(3, 8)]

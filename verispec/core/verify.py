@@ -13,6 +13,10 @@ Guarantee (Leviathan et al. 2022, Algorithm 1; Chen et al. 2023): if ``draft_ids
 floating-point rounding of the ratio and of the residual (float32 by default, float64 in the tests).
 Deterministic drafts (prompt lookup) pass ``draft_probs=None``: they are treated as one-hot distributions, so
 the acceptance probability becomes ``target_prob`` and the same guarantee holds.
+
+Rows may propose fewer than k tokens (``draft_lengths``). Entries of ``draft_ids`` at or past a row's length
+are filler and may hold anything (vLLM fills them with -1, others with ids beyond the vocabulary): every
+verifier ignores them and never uses them as an index.
 """
 
 from __future__ import annotations
@@ -41,6 +45,14 @@ def _draft_valid(draft_ids: torch.Tensor, draft_lengths: torch.Tensor | None) ->
     return positions < draft_lengths.to(draft_ids.device)[:, None]
 
 
+def without_filler(draft_ids: torch.Tensor, draft_lengths: torch.Tensor | None) -> torch.Tensor:
+    """``draft_ids [B, k]`` with every filler entry (at or past its row's length) replaced by token 0, so
+    that nothing downstream can index with it; real proposals are unchanged."""
+    if draft_lengths is None:
+        return draft_ids
+    return torch.where(_draft_valid(draft_ids, draft_lengths), draft_ids, 0)
+
+
 def _assemble(draft_ids: torch.Tensor, num_accepted: torch.Tensor, next_ids: torch.Tensor) -> VerifyResult:
     batch_size, k = draft_ids.shape
     positions = torch.arange(k + 1, device=draft_ids.device).expand(batch_size, k + 1)  # [B, k+1]
@@ -64,6 +76,7 @@ def verify_greedy(
 
     Exact: the output is the target's own greedy continuation, given the same logits.
     """
+    draft_ids = without_filler(draft_ids, draft_lengths)  # [B, k]
     target_argmax = target_logits.argmax(dim=-1)  # [B, k+1]
     k = draft_ids.shape[1]
     matches = (draft_ids == target_argmax[:, :k]) & _draft_valid(draft_ids, draft_lengths)  # [B, k]
@@ -114,6 +127,7 @@ def verify_sampled_from_uniforms(
     batch_size, k = draft_ids.shape
     vocab_size = target_probs.shape[-1]
     valid = _draft_valid(draft_ids, draft_lengths)  # [B, k]
+    draft_ids = without_filler(draft_ids, draft_lengths)  # [B, k]
     # Compare in float64: a float32 uniform just below 1 would round to 1 and reject a certain draft.
     accept_probs = acceptance_probs(draft_ids, draft_probs, target_probs).to(uniforms.dtype)  # [B, k]
     accept = (uniforms[:, :k] < accept_probs) & valid
@@ -134,17 +148,3 @@ def verify_sampled_from_uniforms(
     next_ids = sample_from_probs(next_probs, uniforms[:, k])  # [B]
     return _assemble(draft_ids, num_accepted, next_ids)
 
-
-def verify_sampled(
-    draft_ids: torch.Tensor,  # [B, k]
-    draft_probs: torch.Tensor | None,  # [B, k, V]
-    target_probs: torch.Tensor,  # [B, k+1, V]
-    generator: torch.Generator,
-    draft_lengths: torch.Tensor | None = None,  # [B]
-) -> VerifyResult:
-    """Speculative sampling with randomness from ``generator`` (k+1 float64 uniforms per row)."""
-    batch_size, k = draft_ids.shape
-    uniforms = torch.rand(batch_size, k + 1, generator=generator, dtype=torch.float64, device=generator.device)
-    return verify_sampled_from_uniforms(
-        draft_ids, draft_probs, target_probs, uniforms.to(target_probs.device), draft_lengths
-    )

@@ -1,6 +1,11 @@
-"""Decoding: the batch loop (``batch.py``) and the public ``SpeculativeDecoder`` (``decoder.py``)."""
+"""Decoding: request validation (``requests.py``), the batch loop (``batch.py``) and the public
+``SpeculativeDecoder`` (``decoder.py``)."""
 
 from .batch import DecodeBatch, Row
 from .decoder import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder, shared_vocab_size
+from .requests import ModelLimits, Request, validate_request
 
-__all__ = ["DecodeBatch", "GenerateOutput", "NonFiniteLogitsError", "Row", "SpeculativeDecoder", "shared_vocab_size"]
+__all__ = [
+    "DecodeBatch", "GenerateOutput", "ModelLimits", "NonFiniteLogitsError", "Request", "Row", "SpeculativeDecoder",
+    "shared_vocab_size", "validate_request",
+]

@@ -1,24 +1,31 @@
-"""The running batch: rows join, step through propose / score / verify / accept / roll back, and leave."""
+"""The running batch: rows join, step through propose / score / verify / accept / roll back, and leave.
+
+A batch owns its state: the target's KV cache (a ``CachedLM`` of its own over the shared weights) and its
+drafter object (which holds the draft's cache and the rows' histories). Two batches on one decoder, such as
+an engine's and a ``generate`` call's, therefore never share a cache. Their model passes (and the creation
+of caches, sized from the model's config) are serialised by the decoder's lock, since an early-exit drafter
+reshapes the shared model while it drafts.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Self
 
 import torch
+from transformers import PreTrainedModel
 
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
-from ..core.verify import verify_greedy, verify_sampled_from_uniforms
+from ..core.verify import VerifyResult, verify_greedy, verify_sampled_from_uniforms, without_filler
 from ..drafters import Drafter, Proposal
 from ..models.cache import CachedLM, left_pad, padded_positions
-from ..policy import CostModelGamma, GammaPolicy
+from ..policy import CostTable, GammaPolicy, StepRecord
 from ..telemetry import GenerationStats
-
-if TYPE_CHECKING:
-    from .decoder import SpeculativeDecoder
 
 
 def sync(device: torch.device) -> None:
@@ -40,11 +47,27 @@ class Row:
     on_tokens: Callable[[list[int]], None] | None = None
     output: list[int] = field(default_factory=list)
     reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
-    error_step: int | None = None
+    error: str | None = None  # what went wrong, for reason "error"
+    error_step: int | None = None  # the decode step of non-finite target logits
+    callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
     draft_tokens: int = 0
     accepted_tokens: int = 0
     target_passes: int = 0
+    num_drafts: int = 0  # target passes in which this row had at least one draft token
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
     first_token_time: float | None = None
+
+    def count_step(self, draft_length: int, num_accepted: int) -> None:
+        self.draft_tokens += draft_length
+        self.accepted_tokens += num_accepted
+        self.target_passes += 1
+        self.num_drafts += draft_length > 0
+        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def fail(self, message: str) -> None:
+        self.reason, self.error = "error", message
 
 
 class DecodeBatch:
@@ -52,52 +75,73 @@ class DecodeBatch:
 
     ``generate`` fills it once and steps until it is empty; the server's engine adds requests as they
     arrive. A row's tokens depend only on its own prompt, settings and generator: each row draws its own
-    uniforms for its own draft length, whatever the batch drafts for the others.
+    uniforms for its own draft length, whatever the batch drafts for the others. Build it with
+    ``SpeculativeDecoder.new_batch`` and ``close`` it when done (it is a context manager).
     """
 
-    def __init__(self, decoder: SpeculativeDecoder, drafter: Drafter | None, cost_policy: GammaPolicy,
-                 stats: GenerationStats | None = None, stop_drafting: bool = False) -> None:
-        self.decoder, self.target, self.drafter, self.cost_policy = decoder, decoder.target, drafter, cost_policy
-        self.stop_drafting = stop_drafting
-        self.device = decoder.device
-        self.vocab_size = decoder.vocab_size
-        self.stats = stats if stats is not None else GenerationStats(num_draft_tokens=cost_policy.name)
-        self.rows: list[Row] = []
+    def __init__(self, target_model: PreTrainedModel, drafter: Drafter | None, *, vocab_size: int,
+                 costs: CostTable | None = None, stats: GenerationStats | None = None, stop_drafting: bool = False,
+                 model_lock: AbstractContextManager | None = None, on_close: Callable[[], None] | None = None) -> None:
+        self.target = CachedLM(target_model, check=False)
         self.target.reset(0)
+        self.drafter, self.costs, self.stop_drafting = drafter, costs, stop_drafting
+        self.device = self.target.device
+        self.vocab_size = vocab_size
+        self.stats = stats if stats is not None else GenerationStats()
+        self.rows: list[Row] = []
+        self._model_lock = model_lock if model_lock is not None else contextlib.nullcontext()
+        self._on_close = on_close
         self._drafter_started = False
         self.last_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] committed tokens per row
 
+    def close(self) -> None:
+        """Give the drafter back (another batch may use it from now on); the batch must not step again."""
+        if self._on_close is not None:
+            self._on_close()
+            self._on_close = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def add(self, rows: list[Row]) -> None:
-        """Prefill new rows (every prompt token but the last, which opens their first block) and join them."""
+        """Prefill new rows (every prompt token but the last, which opens their first block) and join them.
+        Rows with nothing to generate finish at once (reason "length") without joining."""
         for row in rows:
-            if row.max_new_tokens <= 0:  # nothing to generate: finished before joining
+            if row.max_new_tokens <= 0:
                 row.reason = "length"
         rows = [row for row in rows if row.reason is None]
         if not rows:
             return
         t0 = time.perf_counter()
         prompts = [row.prompt for row in rows]
-        fresh = CachedLM(self.target.model, check=False)
-        fresh.reset(len(rows))
         ids, mask = left_pad([p[:-1] for p in prompts])  # [N, T-1]
-        if ids.shape[1] > 0:
-            fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
-            self.stats.target_calls += 1
+        with self._model_lock:  # a new cache is sized from the config, which an early-exit draft lowers meanwhile
+            fresh = CachedLM(self.target.model, check=False)
+            fresh.reset(len(rows))
+            if ids.shape[1] > 0:
+                fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+                self.stats.target_calls += 1
+            if self.drafter is not None:
+                self._add_to_drafter(prompts, [row.sampling for row in rows])
         self.target.append_rows(fresh)
-        if self.drafter is not None:
-            calls = self.drafter.calls
-            if self._drafter_started:
-                self.drafter.add_rows(prompts, [row.sampling for row in rows])
-            else:  # custom drafters need only `start` to serve `generate`; `add_rows` is for the engine
-                self.drafter.start(prompts, [row.sampling for row in rows], self.vocab_size)
-                self._drafter_started = True
-            self.stats.draft_calls += self.drafter.calls - calls
         self.rows += rows
         self.last_ids = torch.cat([self.last_ids, torch.tensor([p[-1] for p in prompts], device=self.device)])
         self.lengths = torch.cat([self.lengths, torch.tensor([len(p) for p in prompts], device=self.device)])
         sync(self.device)
         self.stats.prefill_time_s += time.perf_counter() - t0
+
+    def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> None:
+        calls = self.drafter.calls
+        if self._drafter_started:
+            self.drafter.add_rows(prompts, sampling)
+        else:  # custom drafters need only `start` to serve `generate`; `add_rows` is for the engine
+            self.drafter.start(prompts, sampling, self.vocab_size)
+            self._drafter_started = True
+        self.stats.draft_calls += self.drafter.calls - calls
 
     def cancel(self, keys: set[int]) -> list[Row]:
         """Drop the rows with these keys (finish reason "cancelled"), freeing their cache."""
@@ -107,12 +151,12 @@ class DecodeBatch:
         self._drop_finished()
         return cancelled
 
-    def _propose(self, k: int, uniforms: torch.Tensor | None) -> Proposal:
+    def _propose(self, k: int, uniforms: torch.Tensor | None, stop_below: list[float] | None) -> Proposal:
         if k == 0:
             return Proposal(torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device), None)
         t0 = time.perf_counter()
         calls = self.drafter.calls
-        proposal = self.drafter.propose(k, draft_uniforms(uniforms, k))
+        proposal = self.drafter.propose(k, draft_uniforms(uniforms, k), stop_below)
         sync(self.device)
         self.stats.draft_calls += self.drafter.calls - calls
         self.stats.draft_time_s += time.perf_counter() - t0
@@ -132,85 +176,99 @@ class DecodeBatch:
         self.stats.target_time_s += time.perf_counter() - t0
         return logits[..., : self.vocab_size]
 
+    def _verify(self, proposal: Proposal, draft_lengths: torch.Tensor, target_logits: torch.Tensor,
+                uniforms: torch.Tensor | None, gamma: int) -> tuple[VerifyResult, torch.Tensor]:
+        """Verify the drafts; returns the result and ``[B]`` bool, the rows whose used target logits held NaN
+        or inf (zeroed first, so verification never emits an out-of-range id)."""
+        k = proposal.draft_ids.shape[1]
+        finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
+        target_logits = torch.where(finite[..., None], target_logits, 0.0)
+        if uniforms is None:
+            result = verify_greedy(proposal.draft_ids, target_logits, draft_lengths)
+        else:
+            target_probs = row_probs(target_logits, [row.sampling for row in self.rows])  # [B, k+1, V]
+            result = verify_sampled_from_uniforms(proposal.draft_ids, proposal.draft_probs, target_probs,
+                                                  verify_uniforms(uniforms, gamma, k), draft_lengths)
+        used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
+        return result, (~finite & used).any(dim=-1)
+
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
+        batch_rows = len(self.rows)
         # Each row picks its own draft length, capped so it never drafts past its remaining budget.
         row_gammas = [
-            row.policy.choose(row.max_new_tokens - len(row.output) - 1, len(self.rows)) if self.drafter is not None else 0
+            row.policy.choose(row.max_new_tokens - len(row.output) - 1, batch_rows) if self.drafter is not None else 0
             for row in self.rows
         ]
         gamma = max(row_gammas)
-        if self.drafter is not None:
-            # Early stops only for rows under the cost model: a seeded row's block ends must not depend on timings.
-            self.drafter.stop_below = [
-                row.policy.stop_threshold(g, len(self.rows)) if isinstance(row.policy, CostModelGamma) else 0.0
-                for row, g in zip(self.rows, row_gammas)
-            ] if self.stop_drafting else None
+        stop_below = None
+        if self.stop_drafting and self.drafter is not None:
+            stop_below = [row.policy.stop_threshold(g, batch_rows) for row, g in zip(self.rows, row_gammas)]
         uniforms = draw_uniforms([row.generator for row in self.rows], row_gammas, gamma, self.device)
         draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
-        proposal = self._propose(gamma, uniforms)
-        k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
-        target_logits = self._score(proposal.draft_ids)  # [B, k+1, V]
+        with self._model_lock:
+            proposal = self._propose(gamma, uniforms, stop_below)
+            k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
+            caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
+            lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
+            # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
+            target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
 
         t0 = time.perf_counter()
-        finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
-        target_logits = torch.where(finite[..., None], target_logits, 0.0)  # keep verification in range
-        caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
-        lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
-        if uniforms is None:
-            result = verify_greedy(proposal.draft_ids, target_logits, lengths)
-        else:
-            target_probs = row_probs(target_logits, [row.sampling for row in self.rows])  # [B, k+1, V]
-            result = verify_sampled_from_uniforms(
-                proposal.draft_ids, proposal.draft_probs, target_probs, verify_uniforms(uniforms, gamma, k), lengths
-            )
-        used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
-        target_bad = (~finite & used).any(dim=-1)  # [B]
+        result, target_bad = self._verify(proposal, lengths, target_logits, uniforms, gamma)
         # The step's single host sync: everything the bookkeeping needs, in one transfer.
         host = torch.cat(
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
         ).tolist()
         self.stats.verify_time_s += time.perf_counter() - t0
-        # Machine-level costs are learnt once per step; acceptance per row (in _commit).
-        self.cost_policy.observe(k, [h[1] for h in host], [], self.stats.draft_time_s - draft_time,
-                                 self.stats.target_time_s - target_time)
-        return self._commit(k, host)
+        record = StepRecord(k, [h[1] for h in host], [h[0] for h in host], self.stats.draft_time_s - draft_time,
+                            self.stats.target_time_s - target_time)
+        if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
+            self.costs.observe(record)
+        return self._commit(record, [h[2] for h in host], [h[3 : 3 + h[0] + 1] for h in host])
 
-    def _commit(self, k: int, host: list[list[int]]) -> list[Row]:
-        num_accepted = [h[0] for h in host]
-        draft_lengths = [h[1] for h in host]
-        new_tokens = [h[3 : 3 + h[0] + 1] for h in host]
-        self.stats.record_step(k, [row.key for row in self.rows], draft_lengths, num_accepted)
+    def _commit(self, record: StepRecord, target_bad: list[int], new_tokens: list[list[int]]) -> list[Row]:
+        self.stats.record_step(record.draft_length, [row.key for row in self.rows], record.row_draft_lengths,
+                               record.row_accepted)
         now = time.perf_counter()
-        for row, h, tokens in zip(self.rows, host, new_tokens):
-            row.policy.observe(h[1], [h[1]], [h[0]], None, None)
-            row.draft_tokens += h[1]
-            row.accepted_tokens += h[0]
-            row.target_passes += 1
-            if h[2]:
-                row.reason, row.error_step = "error", self.stats.steps
+        for b, (row, bad, tokens) in enumerate(zip(self.rows, target_bad, new_tokens)):
+            row.policy.observe(record.row(b))  # acceptance: each row learns from its own block only
+            row.count_step(record.row_draft_lengths[b], record.row_accepted[b])
+            if bad:
+                row.error_step = self.stats.steps
+                row.fail(f"the target produced NaN or infinite logits at decode step {row.error_step}")
                 continue
-            emitted = tokens[: row.max_new_tokens - len(row.output)]
-            for j, token in enumerate(emitted):
-                if token in row.eos_ids:
-                    emitted = emitted[: j + 1]
-                    row.reason = "stop"
-                    break
-            row.output.extend(emitted)
-            if row.first_token_time is None and emitted:
-                row.first_token_time = now
-            if row.reason is None and len(row.output) >= row.max_new_tokens:
-                row.reason = "length"
-            if row.on_tokens is not None and emitted:
-                row.on_tokens(emitted)
+            self._emit(row, tokens, now)
 
         # Roll back: each row keeps its last committed token's slot plus its accepted drafts' slots.
-        self.target.rollback([n + 1 for n in num_accepted], k + 1)
+        self.target.rollback([n + 1 for n in record.row_accepted], record.draft_length + 1)
         if self.drafter is not None:
-            self.drafter.update(num_accepted, new_tokens)
+            self.drafter.update(record.row_accepted, new_tokens)
         self.last_ids = torch.tensor([t[-1] for t in new_tokens], device=self.device)
-        self.lengths = self.lengths + torch.tensor([n + 1 for n in num_accepted], device=self.device)
+        self.lengths = self.lengths + torch.tensor([n + 1 for n in record.row_accepted], device=self.device)
         return self._drop_finished()
+
+    @staticmethod
+    def _emit(row: Row, tokens: list[int], now: float) -> None:
+        """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them. A callback that
+        raises ends its own row (reason "error"), never the batch."""
+        emitted = tokens[: row.max_new_tokens - len(row.output)]
+        for j, token in enumerate(emitted):
+            if token in row.eos_ids:
+                emitted = emitted[: j + 1]
+                row.reason = "stop"
+                break
+        row.output.extend(emitted)
+        if row.first_token_time is None and emitted:
+            row.first_token_time = now
+        if row.reason is None and len(row.output) >= row.max_new_tokens:
+            row.reason = "length"
+        if row.on_tokens is not None and emitted:
+            try:
+                row.on_tokens(emitted)
+            except Exception as error:  # noqa: BLE001 - the caller's code: report it on its own row
+                row.callback_error = error
+                row.fail(f"the token callback raised {type(error).__name__}: {error}")
 
     def _drop_finished(self) -> list[Row]:
         keep = [b for b, row in enumerate(self.rows) if row.reason is None]

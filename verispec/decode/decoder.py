@@ -4,10 +4,10 @@
 
 1. **propose**: the drafter proposes ``k`` tokens per row (with the distributions it sampled from);
 2. **score**: the target runs once over ``[last committed token, draft_1..draft_k]`` for every row;
-3. **verify**: a pure function (``verify.py``) keeps a prefix of each row's drafts and adds one recovered or
+3. **verify**: a pure function (``core/verify.py``) keeps a prefix of each row's drafts and adds one recovered or
    bonus token;
 4. **accept**: tokens are committed per row, cut at EOS and at ``max_new_tokens``;
-5. **roll back**: both caches drop the slots of rejected drafts, per row (``adapters.py``);
+5. **roll back**: both caches drop the slots of rejected drafts, per row (``models/cache.py``);
 6. rows that finished leave the batch, freeing their cache.
 
 The target alone (no drafter) is the same loop with ``k = 0``: the baseline every benchmark compares to.
@@ -16,7 +16,7 @@ The target alone (no drafter) is the same loop with ``k = 0``: the baseline ever
 from __future__ import annotations
 
 import functools
-import secrets
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,13 +25,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..core.sampling import SamplingParams
-from ..core.streams import row_generator
 from ..drafters import Drafter, ModelDrafter
 from ..models.cache import CachedLM, max_positions, model_device, model_vocab_size
 from ..policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, make_gamma_policy
 from ..telemetry import GenerationStats
-from .batch import DecodeBatch, Row, sync
+from .batch import DecodeBatch, sync
+from .requests import ModelLimits, Request, validate_request
 
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
 
@@ -77,6 +76,34 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
     return smaller
 
 
+class _DrafterLeases:
+    """Which drafter objects running batches hold. A drafter object holds one batch's state (its cache, its
+    rows' histories), so a batch that finds its drafter held by another gets a fork: the same weights, state
+    of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[int, Drafter] = {}
+
+    def acquire(self, drafter: Drafter) -> Drafter:
+        with self._lock:
+            if id(drafter) not in self._held:
+                self._held[id(drafter)] = drafter
+                return drafter
+        try:
+            return drafter.fork()
+        except NotImplementedError as error:
+            raise RuntimeError(
+                f"{type(drafter).__name__} is in use by another running batch (an Engine or another generate "
+                "call) and cannot fork a copy of itself; implement Drafter.fork() or pass another drafter"
+            ) from error
+
+    def release(self, drafter: Drafter) -> None:
+        with self._lock:
+            if self._held.get(id(drafter)) is drafter:
+                del self._held[id(drafter)]
+
+
 class SpeculativeDecoder:
     """Decode with ``target_model`` faster, using a draft, without changing what it outputs.
 
@@ -85,7 +112,8 @@ class SpeculativeDecoder:
     near-tie between the top two logits). Sampling: each token is distributed exactly as plain sampling from
     the target with the same temperature / top-k / top-p (modified rejection sampling).
 
-    Both models are put in eval mode. Caches are kept across steps and rolled back per row.
+    Both models are put in eval mode. Every batch (each ``generate`` call, an ``Engine``'s running batch) has
+    caches and drafter state of its own, so calls may overlap, e.g. ``generate`` while an engine serves.
     """
 
     def __init__(
@@ -104,19 +132,42 @@ class SpeculativeDecoder:
             raise ValueError("pass either draft_model or drafter, not both")
         self.target_model = target_model.eval()
         self.device = model_device(target_model)
-        target_vocab = model_vocab_size(target_model)
-        self.vocab_size = shared_vocab_size(target_vocab, target_vocab, vocab_size)
-        self.input_limit = target_model.get_input_embeddings().weight.shape[0]
-        self.max_positions = max_positions(target_model)
-        if draft_model is not None:
-            drafter = self._model_drafter(draft_model, vocab_size)
-        self.drafter = drafter
+        CachedLM(target_model)  # refuses models whose cache cannot be rolled back, before any work
+        self._vocab_size_arg = vocab_size
+        self.limits = self._limits_with(draft_model)
+        self.drafter = ModelDrafter(draft_model.eval()) if draft_model is not None else drafter
         self.num_draft_tokens = num_draft_tokens
-        self.target = CachedLM(target_model)
+        self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches
+        self._leases = _DrafterLeases()
         self._auto_policy = self.gamma_policy if isinstance(self.gamma_policy, CostModelGamma) else CostModelGamma()
         # Drafts passed per call get their own cost model (their cost and acceptance are not the default
         # draft's), sharing the target's measured costs; keyed weakly so a dropped draft frees its entry.
         self._drafter_policies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.limits.max_positions
+
+    def _limits_with(self, draft_model: PreTrainedModel | None) -> ModelLimits:
+        """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
+        target_vocab = model_vocab_size(self.target_model)
+        input_limit = self.target_model.get_input_embeddings().weight.shape[0]
+        positions = max_positions(self.target_model)
+        if draft_model is None:
+            return ModelLimits(shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg), input_limit, positions)
+        draft_device = model_device(draft_model)
+        if draft_device != self.device:
+            raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
+        vocab = shared_vocab_size(target_vocab, model_vocab_size(draft_model), self._vocab_size_arg)
+        draft_positions = max_positions(draft_model)
+        if draft_positions is not None:
+            positions = min(positions or draft_positions, draft_positions)
+        input_limit = min(input_limit, draft_model.get_input_embeddings().weight.shape[0])
+        return ModelLimits(vocab, input_limit, positions)
 
     def _auto_for(self, draft: object) -> CostModelGamma:
         """The cost model for ``draft`` (a call's ``draft`` argument): the decoder's own for its own draft."""
@@ -128,16 +179,47 @@ class SpeculativeDecoder:
             policy = self._drafter_policies[draft] = self._auto_policy.for_drafter()
         return policy
 
-    def _model_drafter(self, draft_model: PreTrainedModel, vocab_size: int | None) -> ModelDrafter:
-        draft_device = model_device(draft_model)
-        if draft_device != self.device:
-            raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
-        self.vocab_size = shared_vocab_size(model_vocab_size(self.target_model), model_vocab_size(draft_model), vocab_size)
-        self.input_limit = min(self.input_limit, draft_model.get_input_embeddings().weight.shape[0])
-        draft_max = max_positions(draft_model)
-        if draft_max is not None:
-            self.max_positions = min(self.max_positions or draft_max, draft_max)
-        return ModelDrafter(draft_model.eval())
+    def policy_for(self, request: Request, draft: object = _USE_DECODER_DRAFT,
+                   num_draft_tokens: int | str | GammaPolicy | None = None) -> GammaPolicy:
+        """The draft-length policy a request's rows start from (each row takes ``for_row()`` of it): the
+        call's ``num_draft_tokens``, else the decoder's; "auto" keeps one cost model per drafter, so costs
+        measured by earlier calls stay valid. A seeded sampled request never reads timings: with rejection
+        sampling its tokens depend on where blocks end, and a seed must reproduce tokens, so a policy that
+        reads costs gives way to the timing-free heuristic schedule."""
+        policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
+        if num_draft_tokens == "auto" or (num_draft_tokens is None and policy is self._auto_policy):
+            policy = self._auto_for(draft)
+        if policy.costs is not None and request.seeded and not request.sampling.greedy:
+            return HeuristicGamma()
+        return policy
+
+    def new_batch(self, drafter: Drafter | None, policy: GammaPolicy, *, limits: ModelLimits | None = None,
+                  stats: GenerationStats | None = None, stop_drafting: bool | None = None) -> DecodeBatch:
+        """A batch with caches of its own, drafting with ``drafter`` (or a fork of it, when another running
+        batch holds it) and measuring ``policy``'s costs. Close it (or use it as a context manager) to give
+        the drafter back."""
+        # Under the lock: new caches are sized from the model's config, which an early-exit draft of another
+        # batch lowers while it drafts (and a fork of one builds its cache that way).
+        with self.model_lock:
+            if drafter is not None:
+                drafter = self._leases.acquire(drafter)
+            return DecodeBatch(
+                self.target_model, drafter, vocab_size=(limits or self.limits).vocab_size, costs=policy.costs,
+                stats=stats if stats is not None else GenerationStats(num_draft_tokens=policy.name),
+                stop_drafting=self.stop_drafting if stop_drafting is None else stop_drafting,
+                model_lock=self.model_lock,
+                on_close=None if drafter is None else functools.partial(self._leases.release, drafter),
+            )
+
+    def _drafter_for(self, draft: object) -> tuple[Drafter | None, ModelLimits]:
+        """A call's drafter (a model is wrapped in a ``ModelDrafter``) and the limits that go with it."""
+        if draft is _USE_DECODER_DRAFT:
+            return self.drafter, self.limits
+        if isinstance(draft, PreTrainedModel):
+            return ModelDrafter(draft.eval()), self._limits_with(draft)
+        if draft is not None and not isinstance(draft, Drafter):
+            raise TypeError(f"draft must be a PreTrainedModel, a Drafter or None, got {type(draft).__name__}")
+        return draft, self.limits
 
     @torch.inference_mode()
     def generate(
@@ -161,106 +243,38 @@ class SpeculativeDecoder:
         ``input_ids``: ``[B, T]`` tensor (left- or right-padded with ``attention_mask``), a list of token lists
         of any lengths, or one list. ``draft=None`` runs the target alone through the same loop (the
         baseline); another model or ``Drafter`` overrides the decoder's draft for this call.
-        ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted.
+        ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted; if
+        it raises, generation stops and the exception propagates.
         ``seed`` makes sampling reproducible (same seed, same tokens; with ``num_draft_tokens="auto"`` a
         seeded sampling call uses the timing-free "heuristic" schedule, since timings are not reproducible);
         the global RNG is never used. ``stop_drafting`` (per call, else the decoder's setting, on by
         default): with ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's
         own probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
+        Bad arguments raise ``ValueError`` before any model work (``validate_request``).
         """
-        sampling = SamplingParams(temperature, top_k, top_p)
-        prompts = self._prompts(input_ids, attention_mask)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-        eos_ids = self._eos_ids(eos_token_id)
-        policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
-        if num_draft_tokens == "auto" or (num_draft_tokens is None and policy is self._auto_policy):
-            policy = self._auto_for(draft)  # costs measured by earlier calls stay valid
-        if isinstance(policy, CostModelGamma) and seed is not None and not sampling.greedy:
-            # The cost model's choices depend on measured timings, and with rejection sampling the tokens
-            # depend on where blocks end: a seed must reproduce tokens, so use a timing-free schedule.
-            policy = HeuristicGamma()
-        drafter = self.drafter if draft is _USE_DECODER_DRAFT else draft
-        if isinstance(drafter, PreTrainedModel):
-            drafter = self._model_drafter(drafter, None)
-        elif drafter is not None and not isinstance(drafter, Drafter):
-            raise TypeError(f"draft must be a PreTrainedModel, a Drafter or None, got {type(drafter).__name__}")
-        longest = max(len(p) for p in prompts)
-        if self.max_positions is not None and longest + max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "
-                f"maximum length ({self.max_positions})"
-            )
-        if seed is None and not sampling.greedy:
-            seed = secrets.randbits(62)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an int or None, got {seed!r}")
-        cost_policy = policy if drafter is not None else FixedGamma(0)
-        cost_policy.reset()
-        stats = GenerationStats(num_draft_tokens=cost_policy.name)
-        stats.start_rows(len(prompts))
-        rows = [
-            Row(key=b, prompt=prompt, sampling=sampling, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                generator=None if sampling.greedy else row_generator(seed, b),
-                policy=cost_policy.for_row(),
-                on_tokens=None if on_tokens is None else functools.partial(on_tokens, b))
-            for b, prompt in enumerate(prompts)
-        ]
+        drafter, limits = self._drafter_for(draft)
+        request = validate_request(limits, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
+                                   attention_mask=attention_mask)
+        policy = self.policy_for(request, draft, num_draft_tokens) if drafter is not None else FixedGamma(0)
+        policy.reset()
+        stats = GenerationStats(num_draft_tokens=policy.name)
+        stats.start_rows(len(request.prompts))
+        callbacks = None if on_tokens is None else [functools.partial(on_tokens, b) for b in range(len(request.prompts))]
+        rows = request.rows(policy, range(len(request.prompts)), callbacks)
         start = time.perf_counter()
-        stop = self.stop_drafting if stop_drafting is None else stop_drafting
-        batch = DecodeBatch(self, drafter, cost_policy, stats, stop_drafting=stop)
-        batch.add(rows)
-        while batch.rows:
-            batch.step()
+        with self.new_batch(drafter, policy, limits=limits, stats=stats, stop_drafting=stop_drafting) as batch:
+            batch.add(rows)
+            while batch.rows:
+                for row in batch.step():
+                    if row.callback_error is not None:
+                        raise row.callback_error
         sync(self.device)
         stats.total_time_s = time.perf_counter() - start
         stats.generated_tokens = sum(len(row.output) for row in rows)
         output = GenerateOutput(tokens=[row.output for row in rows], finish_reasons=[row.reason for row in rows],
-                                stats=stats, seed=seed)
+                                stats=stats, seed=request.seed)
         errors = [row for row in rows if row.reason == "error"]
         if errors:
             raise NonFiniteLogitsError(min(row.error_step for row in errors), [row.key for row in errors], output)
         return output
-
-    def _prompts(self, input_ids, attention_mask) -> list[list[int]]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.is_floating_point() or input_ids.is_complex():
-                raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-            if attention_mask is not None:
-                if attention_mask.shape != input_ids.shape:
-                    raise ValueError(
-                        f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-                    )
-                keep = attention_mask.bool().cpu()
-                prompts = [row[m].tolist() for row, m in zip(input_ids.cpu(), keep)]
-            else:
-                prompts = input_ids.tolist()
-        else:
-            if attention_mask is not None:
-                raise ValueError("attention_mask is only meaningful with a padded tensor of input_ids")
-            prompts = list(input_ids)
-            if prompts and all(isinstance(t, int) for t in prompts):
-                prompts = [prompts]
-            prompts = [list(p) for p in prompts]
-        if not prompts:
-            raise ValueError("input_ids holds no prompts")
-        for b, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {b} is empty: every row needs at least one token")
-            bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.input_limit]
-            if bad:
-                raise ValueError(f"prompt {b} holds token ids outside [0, {self.input_limit}): {bad[:5]}")
-        return prompts
-
-    def _eos_ids(self, eos_token_id) -> frozenset[int]:
-        if eos_token_id is None:
-            return frozenset()
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"eos_token_id {t!r} is not a token id in [0, {self.vocab_size})")
-        return frozenset(ids)

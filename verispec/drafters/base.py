@@ -21,23 +21,17 @@ from ..core.sampling import SamplingParams
 class Proposal:
     """What a drafter proposes for a batch of B rows and k positions."""
 
-    draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler
+    draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler (any value, even -1)
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
-    nonfinite_rows: torch.Tensor | None = None  # [B] bool, rows whose draft logits held NaN / inf
 
 
 class Drafter(ABC):
-    """Interface shared by every drafter."""
+    """Interface shared by every drafter. A drafter object holds the state of one running batch (its cache,
+    its rows' histories); ``fork`` gives another batch a drafter of its own on the same weights."""
 
-    #: whether ``propose`` needs uniforms (a stochastic drafter sampling under temperature > 0)
-    needs_uniforms: bool = True
     #: draft forward passes run so far (for telemetry)
     calls: int = 0
-    #: per row, set by the decoder before ``propose``: a drafter that knows its own confidence stops a row's
-    #: block once the probability it gives the block so far falls below this (0 or None: never). Any
-    #: stopping rule that looks only at the draft keeps the output exact.
-    stop_below: list[float] | None = None
 
     @abstractmethod
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
@@ -50,9 +44,15 @@ class Drafter(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot add rows to a running batch")
 
     @abstractmethod
-    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
         """Propose ``num_draft_tokens`` (>= 1) tokens per row; ``uniforms`` is ``[B, k]`` float64 in [0, 1)
-        for stochastic drafting (None when every row is greedy; zeros on greedy rows)."""
+        for stochastic drafting (None when every row is greedy; zeros on greedy rows).
+
+        ``stop_below`` (per row, or None): a drafter that knows its own confidence may end a row's block once
+        the probability it gives the block so far falls below the row's value (0: never), reporting the
+        shorter length in ``draft_lengths``. Any stopping rule that looks only at the draft keeps the output
+        exact; drafters without a confidence ignore it."""
 
     @abstractmethod
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
@@ -62,6 +62,11 @@ class Drafter(ABC):
     @abstractmethod
     def select_rows(self, rows: list[int]) -> None:
         """Keep only ``rows`` (indices into the current batch)."""
+
+    def fork(self) -> Drafter:
+        """A new drafter with the same models (weights shared, never copied) and settings, and no batch state:
+        what a second batch running at the same time uses."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement fork()")
 
 
 def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int) -> list[SamplingParams]:

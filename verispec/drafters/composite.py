@@ -38,9 +38,8 @@ class CompositeDrafter(Drafter):
     def calls(self) -> int:  # type: ignore[override]
         return self.primary.calls + self.fallback.calls
 
-    @property
-    def needs_uniforms(self) -> bool:  # type: ignore[override]
-        return self.fallback.needs_uniforms
+    def fork(self) -> CompositeDrafter:
+        return CompositeDrafter(self.primary.fork(), self.fallback.fork())
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         self.sampling, self.vocab_size = sampling, vocab_size
@@ -50,14 +49,16 @@ class CompositeDrafter(Drafter):
         self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
         self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
 
-    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
+        """Early stops (``stop_below``) apply to the fallback's rows; a lookup's block is never cut."""
         found = [self.primary.lookup(h, num_draft_tokens) for h in self.primary.histories]  # [] = no match
         lookup = [b for b, tokens in enumerate(found) if tokens]
         self.lookup_rows += len(lookup)
         if len(lookup) == len(found):
             self.fallback_skipped += 1
             return lookup_proposal(found)
-        proposal = self.fallback.propose(num_draft_tokens, uniforms)
+        proposal = self.fallback.propose(num_draft_tokens, uniforms, stop_below)
         batch_size, width = proposal.draft_ids.shape
         lengths = (
             torch.full((batch_size,), width, dtype=torch.long)
@@ -82,12 +83,7 @@ class CompositeDrafter(Drafter):
             if draft_probs is not None:  # one-hot: the law a deterministic proposal is drawn from
                 draft_probs[b, : len(tokens)] = 0.0
                 draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
-        nonfinite = proposal.nonfinite_rows
-        if nonfinite is not None:
-            nonfinite = nonfinite.clone()
-            nonfinite[torch.tensor(lookup, device=nonfinite.device)] = False  # their model drafts were not used
-        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device),
-                        nonfinite_rows=nonfinite)
+        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.primary.add_rows(prompts, sampling)

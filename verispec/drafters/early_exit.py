@@ -84,6 +84,9 @@ class EarlyExitDrafter(ModelDrafter):
         with truncated_layers(target_model, num_layers, self._where):
             super().__init__(target_model)
 
+    def fork(self) -> EarlyExitDrafter:
+        return EarlyExitDrafter(self.model, self.num_layers)
+
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         with truncated_layers(self.model, self.num_layers, self._where):
             super().start(prompts, sampling, vocab_size)  # resets the cache: num_layers layers
@@ -92,6 +95,7 @@ class EarlyExitDrafter(ModelDrafter):
         with truncated_layers(self.model, self.num_layers, self._where):
             super().add_rows(prompts, sampling)
 
-    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
         with truncated_layers(self.model, self.num_layers, self._where):
-            return super().propose(num_draft_tokens, uniforms)
+            return super().propose(num_draft_tokens, uniforms, stop_below)

@@ -12,18 +12,46 @@ from ..models.cache import CachedLM, left_pad, padded_positions
 from .base import Drafter, Proposal, per_row
 
 
+class _BlockConfidence:
+    """Early stops: the draft's own probability of each row's block so far, and where each row stopped."""
+
+    def __init__(self, stop_below: Sequence[float], greedy: list[bool], k: int, device: torch.device) -> None:
+        self.stop_below = torch.tensor(list(stop_below), dtype=torch.float32, device=device)  # [B]
+        self.survive = torch.ones(len(greedy), device=device)  # [B] draft's probability of the block so far
+        self.lengths = torch.full((len(greedy),), k, dtype=torch.long, device=device)  # [B]
+        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)  # [B]
+        self.k = k
+
+    def all_stopped_after(self, j: int, logits: torch.Tensor, token_ids: torch.Tensor,
+                          probs: torch.Tensor | None) -> bool:
+        """Account for draft ``j`` (``logits [B, V]``, the drawn ``token_ids [B]``, the distribution drawn from
+        ``probs [B, V]`` or None when every row is greedy); True once every row has stopped."""
+        soft = torch.softmax(logits.float(), dim=-1).gather(1, token_ids[:, None]).squeeze(1)  # [B]
+        if probs is not None:  # greedy rows hold one-hot rows there: they use the softmax for confidence
+            chosen = probs.gather(1, token_ids[:, None]).squeeze(1)
+            soft = torch.where(self.greedy, soft, chosen)
+        self.survive = self.survive * soft
+        stopping = (self.survive < self.stop_below) & (self.lengths == self.k)  # [B] rows stopping after j
+        self.lengths = torch.where(stopping, j + 1, self.lengths)
+        return bool((self.lengths < self.k).all())
+
+
 class ModelDrafter(Drafter):
     """A smaller causal LM with the target's vocabulary, run autoregressively with its own KV cache.
 
     Its cache holds every committed token except the ``pending`` ones of each row: one (the last emitted
-    token) after a rejection, two (its own last draft and the bonus) when all drafts were kept, which is the
-    case PITFALLS #5 warns about. Pending tokens are fed at the start of the next proposal.
+    token) after a rejection, two (its own last draft and the bonus) when all drafts were kept, since a draft
+    never runs on its own last draft token and skipping it would leave a gap in its cache. Pending tokens are
+    fed at the start of the next proposal.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.lm = CachedLM(model)
         self.model = model
         self.calls = 0
+
+    def fork(self) -> ModelDrafter:
+        return ModelDrafter(self.model)
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
               vocab_size: int) -> None:
@@ -34,10 +62,6 @@ class ModelDrafter(Drafter):
         self.cached = torch.zeros(0, dtype=torch.long)  # [B] tokens in cache per row
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
         self.add_rows(prompts, per_row(sampling, len(prompts)))
-
-    @property
-    def needs_uniforms(self) -> bool:  # type: ignore[override]
-        return not all(p.greedy for p in self.params)
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """Prefill the new rows (all prompt tokens but the last, which stays pending) and append them."""
@@ -52,58 +76,45 @@ class ModelDrafter(Drafter):
             self.calls += 1
         self.lm.append_rows(new)
 
-    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
-        k = num_draft_tokens
-        ids, mask = left_pad(self.pending)
-        positions = padded_positions(mask, self.cached)  # [B, w]
-        next_position = self.cached + mask.sum(dim=1)  # [B] position of the first draft token
-        device = self.lm.device
-        draft_ids, draft_probs = [], []
-        nonfinite = torch.zeros(len(self.pending), dtype=torch.bool, device=device)
-        stop_below = None
-        if self.stop_below is not None and any(self.stop_below):
-            stop_below = torch.tensor(self.stop_below, dtype=torch.float32, device=device)  # [B]
-            survive = torch.ones(len(self.pending), device=device)  # [B] draft's probability of the block so far
-            lengths = torch.full((len(self.pending),), k, dtype=torch.long, device=device)  # [B]
-            greedy = torch.tensor([p.greedy for p in self.params], device=device)  # [B]
+    def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Feed ``ids [B, w]`` and return the draft's logits ``[B, V]`` after them; NaN / inf rows become zeros
+        (a uniform draft), which keeps sampling in range: the sanitised distribution is the one that enters
+        the acceptance ratio, so the output stays exact."""
         logits = self.lm.forward(ids, mask, positions, 1)[:, -1, : self.vocab_size]  # [B, V]
         self.calls += 1
+        return torch.where(torch.isfinite(logits).all(dim=-1, keepdim=True), logits, 0.0)
+
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
+        k = num_draft_tokens
+        ids, mask = left_pad(self.pending)  # [B, w]
+        next_position = self.cached + mask.sum(dim=1)  # [B] position of the first draft token
+        all_greedy = all(p.greedy for p in self.params)
+        confidence = None
+        if stop_below is not None and any(stop_below):
+            confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
+        draft_ids, draft_probs = [], []
+        logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
         for j in range(k):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
-                step_positions = (next_position + j - 1)[:, None]
-                logits = self.lm.forward(step_ids, torch.ones_like(step_ids, dtype=torch.bool), step_positions, 1)
-                logits = logits[:, -1, : self.vocab_size]
-                self.calls += 1
-            finite = torch.isfinite(logits).all(dim=-1)  # [B]
-            nonfinite |= ~finite
-            logits = torch.where(finite[:, None], logits, 0.0)  # keep sampling in range; the row is reported
-            if not self.needs_uniforms:  # every row greedy
+                logits = self._next_logits(step_ids, torch.ones_like(step_ids, dtype=torch.bool),
+                                           (next_position + j - 1)[:, None])
+            probs = None
+            if all_greedy:
                 draft_ids.append(logits.argmax(dim=-1))
             else:  # greedy rows get one-hot distributions (zeros as uniforms pick their argmax)
                 probs = row_probs(logits, self.params)  # [B, V]
                 draft_probs.append(probs)
                 draft_ids.append(sample_from_probs(probs, uniforms[:, j]))
-            if stop_below is not None and j < k - 1:
-                if draft_probs:  # greedy rows hold one-hot rows here: use the softmax for their confidence
-                    chosen = draft_probs[-1].gather(1, draft_ids[-1][:, None]).squeeze(1)  # [B]
-                    if greedy.any():
-                        soft = torch.softmax(logits.float(), dim=-1).gather(1, draft_ids[-1][:, None]).squeeze(1)
-                        chosen = torch.where(greedy, soft, chosen)
-                else:
-                    chosen = torch.softmax(logits.float(), dim=-1).gather(1, draft_ids[-1][:, None]).squeeze(1)
-                survive = survive * chosen
-                stopping = (survive < stop_below) & (lengths == k)  # [B] rows that stop after this token
-                lengths = torch.where(stopping, j + 1, lengths)
-                if bool((lengths < k).all()):  # every row stopped: no more draft passes this step
-                    break
+            if confidence is not None and j < k - 1 and confidence.all_stopped_after(j, logits, draft_ids[-1], probs):
+                break  # every row stopped: no more draft passes this step
         drafted = len(draft_ids)
         self._fed_drafts = drafted - 1  # the last draft token is not fed until the next proposal
         return Proposal(
             draft_ids=torch.stack(draft_ids, dim=1),  # [B, drafted]
             draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, drafted, V]
-            draft_lengths=None if stop_below is None else lengths.clamp(max=drafted),
-            nonfinite_rows=nonfinite,
+            draft_lengths=None if confidence is None else confidence.lengths.clamp(max=drafted),
         )
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:

@@ -28,14 +28,15 @@ class NGramDrafter(Drafter):
     Rows without a match propose nothing that step (the target then emits one token for them).
     """
 
-    needs_uniforms = False
-
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.calls = 0
         self.histories: list[list[int]] = []
+
+    def fork(self) -> NGramDrafter:
+        return NGramDrafter(self.max_ngram, self.min_ngram)
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         self.histories = [list(p) for p in prompts]
@@ -53,7 +54,9 @@ class NGramDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.histories += [list(p) for p in prompts]
 
-    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
+        """Lookups have no confidence to stop on: ``stop_below`` is ignored."""
         return lookup_proposal([self.lookup(h, num_draft_tokens) for h in self.histories])
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:

@@ -3,19 +3,25 @@
 - ``FixedGamma(g)`` (``base.py``): always g.
 - ``HeuristicGamma`` (``heuristic.py``): transformers' +2 / -1 schedule.
 - ``CostModelGamma`` (``auto.py``, ``num_draft_tokens="auto"``): Leviathan et al.'s cost model
-  (``formula.py``) with costs measured online and acceptance estimated per request.
+  (``formula.py``) over a ``CostTable`` of machine costs measured online (``costs.py``, shared by every
+  request) and an ``AcceptanceEstimate`` per request (``acceptance.py``).
+
+Policies learn from ``StepRecord``s (``base.py``): what a step drafted, kept and cost.
 """
 
 from __future__ import annotations
 
-from .auto import CostModelGamma, PositionCounts
-from .base import FixedGamma, GammaPolicy
+from .acceptance import AcceptanceEstimate, AcceptancePool, PositionCounts
+from .auto import CostModelGamma
+from .base import FixedGamma, GammaPolicy, StepRecord
+from .costs import CostCurve, CostTable, Ema
 from .formula import best_gamma, expected_tokens, expected_tokens_by_position
 from .heuristic import HeuristicGamma
 
 __all__ = [
-    "CostModelGamma", "FixedGamma", "GammaPolicy", "HeuristicGamma", "PositionCounts", "best_gamma",
-    "expected_tokens", "expected_tokens_by_position", "make_gamma_policy",
+    "AcceptanceEstimate", "AcceptancePool", "CostCurve", "CostModelGamma", "CostTable", "Ema", "FixedGamma",
+    "GammaPolicy", "HeuristicGamma", "PositionCounts", "StepRecord", "best_gamma", "expected_tokens",
+    "expected_tokens_by_position", "make_gamma_policy",
 ]
 
 

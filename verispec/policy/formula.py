@@ -28,7 +28,7 @@ def best_gamma(acceptance: float | list[float], draft_cost: float, target_cost: 
     ``target_cost[g]`` is the cost of scoring g+1 tokens and ``acceptance`` one rate (iid) or one conditional
     rate per draft position (at least ``max_gamma`` of them). Ties go to the shorter draft."""
     best, best_rate = 0, -math.inf
-    for g in range(0, max_gamma + 1):
+    for g in range(max_gamma + 1):
         tokens = (expected_tokens(acceptance, g) if isinstance(acceptance, (int, float))
                   else expected_tokens_by_position(acceptance, g))
         rate = tokens / (g * draft_cost + target_cost[g])

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from .base import GammaPolicy
+from .base import GammaPolicy, StepRecord
 
 
 class HeuristicGamma(GammaPolicy):
-    """transformers' schedule: +2 after a block accepted in full (every row), else -1."""
+    """transformers' schedule: +2 after a block accepted in full (every row that drafted), else -1.
+
+    Rows that proposed nothing (an n-gram lookup without a match) judged no block: a step where no row drafted
+    teaches nothing, rather than counting as "every draft kept".
+    """
 
     name = "heuristic"
 
@@ -23,10 +27,11 @@ class HeuristicGamma(GammaPolicy):
     def choose(self, max_gamma: int, rows: int = 1) -> int:
         return min(self.gamma, max_gamma)
 
-    def observe(self, gamma, draft_lengths, num_accepted, draft_time_s, target_time_s) -> None:
-        if gamma == 0:
+    def observe(self, record: StepRecord) -> None:
+        blocks = [(n, length) for n, length in zip(record.row_accepted, record.row_draft_lengths) if length > 0]
+        if record.draft_length == 0 or not blocks:
             return
-        if all(n == length for n, length in zip(num_accepted, draft_lengths)):
+        if all(n == length for n, length in blocks):
             self.gamma = min(self.gamma + 2, self.max_gamma)
         else:
             self.gamma = max(self.gamma - 1, 1)

@@ -1,16 +1,19 @@
 """Continuous batching for the server: requests join the running batch at the next step and leave it when
-they finish or are cancelled. One background thread owns the decoder (its models and caches).
+they finish or are cancelled. One background thread runs the engine's batch (its caches and drafter state are
+its own, so ``generate`` calls on the same decoder may run meanwhile).
 
 A request's output does not depend on what else is in the batch: every row has its own generator and its
 own draft-length policy, and draws uniforms for its own draft length only (greedy: identical tokens;
 seeded sampling: identical tokens to the same request served alone, up to float rounding of batched
 matrix products).
+
+Every request submitted gets exactly one ``FinishEvent``, whatever happens: it finishes, it is cancelled, a
+callback of its own raises, the batch fails, or the engine shuts down.
 """
 
 from __future__ import annotations
 
 import itertools
-import secrets
 import threading
 import time
 import traceback
@@ -18,16 +21,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..core.sampling import SamplingParams
-from ..core.streams import row_generator
-from ..decode import DecodeBatch, Row, SpeculativeDecoder
-from ..policy import CostModelGamma, HeuristicGamma
+from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
+from ..telemetry import GenerationStats
+
+_SHUTDOWN = "the engine shut down before the request finished"
 
 
 @dataclass
 class EngineRequest:
     prompt_ids: list[int]
-    max_new_tokens: int
+    max_new_tokens: int  # >= 0; 0 finishes at once with reason "length" and no tokens
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
@@ -42,9 +45,9 @@ class TokensEvent:
 
 @dataclass
 class FinishEvent:
-    reason: str  # "stop" (EOS), "length", "error" (NaN logits or an internal failure), "cancelled"
+    reason: str  # "stop" (EOS), "length", "error" (NaN logits, a failing callback, an internal failure), "cancelled"
     stats: dict
-    error: str | None = None
+    error: str | None = None  # why, for "error"; also for "cancelled" when the engine (not the caller) ended it
 
 
 @dataclass
@@ -58,6 +61,15 @@ class RequestHandle:
         self._engine._cancel(self._key)
 
 
+@dataclass
+class _Pending:
+    """A submitted request: its row, where its events go, and when it arrived."""
+
+    row: Row
+    on_event: Callable[[TokensEvent | FinishEvent], None]
+    submitted: float
+
+
 class Engine:
     """Runs a ``SpeculativeDecoder`` over a batch that requests join and leave between steps."""
 
@@ -67,62 +79,54 @@ class Engine:
         self.decoder = decoder
         self.max_batch_size = max_batch_size
         self._cv = threading.Condition()
-        self._waiting: deque[tuple[Row, Callable, float]] = deque()
+        self._waiting: deque[_Pending] = deque()
         self._cancelled: set[int] = set()
-        self._dropped: list[tuple[Row, Callable, float]] = []  # cancelled before joining the batch
-        self._callbacks: dict[int, tuple[Callable, float]] = {}
+        self._dropped: list[_Pending] = []  # cancelled before joining the batch
+        self._open: dict[int, _Pending] = {}  # every request submitted and not reported finished, by key
         self._keys = itertools.count()
         self._stop = False
         self._thread: threading.Thread | None = None
         self._batch: DecodeBatch | None = None
         self.requests_total: dict[str, int] = {}
-        self.tokens_generated = self.draft_tokens = self.accepted_tokens = 0
+        self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
+        self.accepted_per_position: list[int] = []
         self.running = 0
 
     # --- public API --------------------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._stop:
             self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
             self._thread.start()
 
     def shutdown(self) -> None:
+        """Stop the loop after its current step; every request not finished yet gets
+        ``FinishEvent("cancelled", error=...)``. New submissions are refused from now on."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
+        else:  # never started: report the waiting requests from here
+            self._finish_everything()
 
     def submit(self, request: EngineRequest, on_event: Callable[[TokensEvent | FinishEvent], None]) -> RequestHandle:
-        """Validate and queue ``request``; ``on_event`` is called from the engine thread, in order."""
-        sampling = SamplingParams(request.temperature, request.top_k, request.top_p)
-        prompt = self.decoder._prompts([list(request.prompt_ids)], None)[0]
-        n = request.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r}")
-        limit = self.decoder.max_positions
-        if limit is not None and len(prompt) + n > limit:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) exceeds the context ({limit})")
-        eos = self.decoder._eos_ids(list(request.eos_token_ids))
-        if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
-            raise ValueError(f"seed must be an integer, got {request.seed!r}")
+        """Validate and queue ``request`` (``ValueError`` if the decoder refuses it, as ``generate`` would);
+        ``on_event`` is called from the engine thread, in order."""
+        valid = validate_request(
+            self.decoder.limits, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
+            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            eos_token_id=list(request.eos_token_ids), seed=request.seed,
+        )
         key = next(self._keys)
-        generator = None
-        if not sampling.greedy:
-            seed = request.seed if request.seed is not None else secrets.randbits(62)
-            generator = row_generator(seed, 0)  # = row 0 of generate(seed=seed)
-        policy = self.decoder.gamma_policy
-        if isinstance(policy, CostModelGamma) and request.seed is not None and not sampling.greedy:
-            row_policy = HeuristicGamma()  # timings must not decide a seeded request's tokens
-        else:
-            row_policy = policy.for_row()
-        submitted = time.perf_counter()
-        row = Row(key=key, prompt=prompt, sampling=sampling, max_new_tokens=n, eos_ids=eos, generator=generator,
-                  policy=row_policy, on_tokens=lambda tokens: on_event(TokensEvent(list(tokens))))
+        row = valid.rows(self.decoder.policy_for(valid), [key],
+                         [lambda tokens: on_event(TokensEvent(list(tokens)))])[0]
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
-            self._waiting.append((row, on_event, submitted))
+            pending = _Pending(row, on_event, time.perf_counter())
+            self._open[key] = pending
+            self._waiting.append(pending)
             self._cv.notify_all()
         return RequestHandle(id=f"req-{key}", _engine=self, _key=key)
 
@@ -133,27 +137,25 @@ class Engine:
                 "tokens_generated": self.tokens_generated,
                 "draft_tokens": self.draft_tokens,
                 "accepted_tokens": self.accepted_tokens,
-                "batch_size": self.running,
+                "num_drafts": self.num_drafts,  # row steps with at least one draft token
+                "accepted_per_position": list(self.accepted_per_position),
                 "running": self.running,
+                "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": len(self._waiting),
             }
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _cancel(self, key: int) -> None:
         with self._cv:
-            for item in list(self._waiting):
-                if item[0].key == key:  # not started yet: the engine thread reports it at its next turn
-                    self._waiting.remove(item)
-                    item[0].reason = "cancelled"
-                    self._dropped.append(item)
+            for pending in list(self._waiting):
+                if pending.row.key == key:  # not started yet: the engine thread reports it at its next turn
+                    self._waiting.remove(pending)
+                    pending.row.reason = "cancelled"
+                    self._dropped.append(pending)
                     self._cv.notify_all()
                     return
             self._cancelled.add(key)
             self._cv.notify_all()
-
-    def _new_batch(self) -> DecodeBatch:
-        decoder = self.decoder
-        return DecodeBatch(decoder, decoder.drafter, decoder.gamma_policy, stop_drafting=decoder.stop_drafting)
 
     def _loop(self) -> None:
         while True:
@@ -165,59 +167,102 @@ class Engine:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
                 dropped, self._dropped = self._dropped, []
-                for row, on_event, submitted in dropped:
-                    self._finish_locked(row, on_event, submitted)
                 joining = []
                 while self._waiting and self.running + len(joining) < self.max_batch_size:
                     joining.append(self._waiting.popleft())
                 self.running += len(joining)  # counted as running from the moment they leave the queue
+            finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
             try:
-                if self._batch is None or not self._batch.rows:
-                    self._batch = self._new_batch()
-                finished = self._batch.cancel(cancelled) if cancelled else []
-                if joining:
-                    for row, on_event, submitted in joining:
-                        self._callbacks[row.key] = (on_event, submitted)
-                    self._batch.add([row for row, _, _ in joining])
-                    finished += [row for row, _, _ in joining if row.reason is not None]
-                if self._batch.rows:
-                    finished += self._batch.step()
-            except Exception as error:  # an internal failure ends the batch's requests, never the engine
+                self._turn(cancelled, [pending.row for pending in joining], finished)
+            except Exception as error:  # noqa: BLE001 - an internal failure ends the batch's requests, never the engine
                 traceback.print_exc()
-                finished = list(self._batch.rows) if self._batch is not None else []
-                finished += [row for row, _, _ in joining if row not in finished and row.reason is None]
-                for row in finished:
-                    row.reason, row.error_step = "error", -1
-                self._batch = None
-                message = f"{type(error).__name__}: {error}"
-            else:
-                message = None
+                self._fail_batch(f"{type(error).__name__}: {error}", [pending.row for pending in joining], finished)
             with self._cv:
                 for row in finished:
-                    on_event, submitted = self._callbacks.pop(row.key, (None, 0.0))
-                    if on_event is not None:
-                        self._finish_locked(row, on_event, submitted, message)
+                    self._finish_locked(row)
                 self.running = len(self._batch.rows) if self._batch is not None else 0
+        self._finish_everything()
 
-    def _finish_locked(self, row: Row, on_event: Callable, submitted: float, message: str | None = None) -> None:
+    def _turn(self, cancelled: set[int], joining: list[Row], finished: list[Row]) -> None:
+        """Cancel, join, step. ``finished`` collects the rows that end, as they end, so that a failure later in
+        the turn cannot lose them."""
+        if self._batch is None:
+            self._batch = self.decoder.new_batch(self.decoder.drafter, self.decoder.gamma_policy,
+                                                 stats=GenerationStats())
+        if cancelled:
+            finished += self._batch.cancel(cancelled)
+        if joining:
+            self._batch.add(joining)
+            finished += [row for row in joining if row.reason is not None]  # nothing to generate
+        if self._batch.rows:
+            finished += self._batch.step()
+        if not self._batch.rows:  # idle: give the drafter back
+            self._close_batch()
+
+    def _fail_batch(self, message: str, joining: list[Row], finished: list[Row]) -> None:
+        """After a failure in a turn: the rows it interrupted (still in the batch, or joining and not finished)
+        end with reason "error"; rows that had already ended keep their reason."""
+        in_batch = [] if self._batch is None else list(self._batch.rows)
+        interrupted = {id(row) for row in in_batch}
+        ended = {id(row) for row in finished}
+        for row in in_batch + [row for row in joining if id(row) not in interrupted]:
+            if id(row) in ended:
+                continue
+            if id(row) in interrupted or row.reason is None:
+                row.fail(message)
+            finished.append(row)
+        self._close_batch()
+
+    def _close_batch(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+
+    def _finish_everything(self) -> None:
+        """At shutdown, once the loop has ended: every request not reported yet (running, waiting, cancelled
+        before joining) ends with reason "cancelled" and says why."""
+        with self._cv:
+            for pending in list(self._open.values()):
+                if pending.row.reason is None:
+                    pending.row.reason, pending.row.error = "cancelled", _SHUTDOWN
+                self._finish_locked(pending.row)
+            self._waiting.clear()
+            self._dropped, self._cancelled = [], set()
+            self._close_batch()
+            self.running = 0
+
+    def _finish_locked(self, row: Row) -> None:
+        """Send ``row``'s finish event (once) and count it."""
+        pending = self._open.pop(row.key, None)
+        if pending is None:  # already reported
+            return
         self.requests_total[row.reason] = self.requests_total.get(row.reason, 0) + 1
         self.tokens_generated += len(row.output)
         self.draft_tokens += row.draft_tokens
         self.accepted_tokens += row.accepted_tokens
-        if row.reason == "error" and message is None:
-            message = f"the target produced NaN or infinite logits at decode step {row.error_step}"
-        stats = {
-            "prompt_tokens": len(row.prompt),
-            "completion_tokens": len(row.output),
-            "draft_tokens": row.draft_tokens,
-            "accepted_tokens": row.accepted_tokens,
-            "acceptance_rate": row.accepted_tokens / row.draft_tokens if row.draft_tokens else 0.0,
-            "tokens_per_target_pass": len(row.output) / row.target_passes if row.target_passes else 0.0,
-            "mean_draft_length": row.draft_tokens / row.target_passes if row.target_passes else 0.0,
-            "time_to_first_token_s": (row.first_token_time - submitted) if row.first_token_time else None,
-            "total_time_s": time.perf_counter() - submitted,
-        }
+        self.num_drafts += row.num_drafts
+        self.accepted_per_position.extend([0] * (len(row.accepted_per_position) - len(self.accepted_per_position)))
+        for i, count in enumerate(row.accepted_per_position):
+            self.accepted_per_position[i] += count
         try:
-            on_event(FinishEvent(reason=row.reason, stats=stats, error=message if row.reason == "error" else None))
-        except Exception:  # a broken callback must not take the engine down
+            pending.on_event(FinishEvent(reason=row.reason, stats=_finish_stats(row, pending.submitted),
+                                         error=row.error))
+        except Exception:  # noqa: BLE001 - a broken callback must not take the engine down
             traceback.print_exc()
+
+
+def _finish_stats(row: Row, submitted: float) -> dict:
+    passes = row.target_passes
+    return {
+        "prompt_tokens": len(row.prompt),
+        "completion_tokens": len(row.output),
+        "draft_tokens": row.draft_tokens,
+        "accepted_tokens": row.accepted_tokens,
+        "num_drafts": row.num_drafts,  # target passes in which the row drafted at least one token
+        "accepted_per_position": list(row.accepted_per_position),  # [i]: times draft position i was kept
+        "acceptance_rate": row.accepted_tokens / row.draft_tokens if row.draft_tokens else 0.0,
+        "tokens_per_target_pass": len(row.output) / passes if passes else 0.0,
+        "mean_draft_length": row.draft_tokens / passes if passes else 0.0,
+        "time_to_first_token_s": (row.first_token_time - submitted) if row.first_token_time else None,
+        "total_time_s": time.perf_counter() - submitted,
+    }

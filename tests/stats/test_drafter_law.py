@@ -1,0 +1,73 @@
+"""Drafters under sampling: the emitted tokens follow the target's law (chi-square at significance 1e-6), for
+prompt lookup, the composite and a model draft with early stops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import ConfidentDrafter, build
+
+from verispec import SpeculativeDecoder
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.drafters import CompositeDrafter, ModelDrafter, NGramDrafter
+
+from .chi_square import chi2_pvalue
+
+# --- Sampling: the emitted tokens follow the target's law -------------------------------------------------------
+# A tiny Qwen2 over 8 tokens. Two contexts share one batch: A repeats itself, so prompt lookup proposes from
+# the first step (one-hot drafts, many of them rejected), B does not (no lookup; the composite's model drafts
+# for it). 8000 rows of each; the joint law of the first three tokens, per context, by chi-square at 1e-6 (a
+# correct sampler fails less than once in a million runs; the seed is fixed, so the outcome is reproducible).
+
+SMALL_VOCAB = 8
+CONTEXTS = ([1, 5, 2, 1, 5], [3, 6, 4, 7])
+ROWS_PER_CONTEXT = 8000
+NEW = 3
+
+
+def _token_law(model, context: list[int], warp, length: int) -> np.ndarray:
+    """Exact joint law ``[V] * length`` of the next ``length`` tokens under plain sampling."""
+    with torch.no_grad():
+        first = warp(model(torch.tensor([context])).logits[0, -1].double()).numpy()  # [V]
+    if length == 1:
+        return first
+    rest = np.stack([_token_law(model, context + [t], warp, length - 1) for t in range(SMALL_VOCAB)])
+    return first.reshape((SMALL_VOCAB,) + (1,) * (length - 1)) * rest
+
+
+def _chi_square_p(observed: np.ndarray, law: np.ndarray) -> float:
+    return chi2_pvalue(observed, law, min_expected=20)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)]
+)
+@pytest.mark.parametrize("name", ["ngram", "composite", "model_early_stop"])
+def test_sampled_tokens_follow_the_target_law(name: str, settings) -> None:
+    target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
+    draft = build("qwen2", seed=4, vocab_size=SMALL_VOCAB)  # unrelated: many rejections and resamples
+    drafters = {"ngram": lambda: NGramDrafter(),
+                "composite": lambda: CompositeDrafter(NGramDrafter(), ModelDrafter(draft)),
+                # rows stop a block once the draft's probability of it is below their threshold: rarely,
+                # sometimes, often (blocks here are at most 2 tokens, so only the first token can end one)
+                "model_early_stop": lambda: ConfidentDrafter(draft, [0.05, 0.3, 0.6])}
+    drafter = drafters[name]()
+    params = SamplingParams(**settings)
+    prompts = [CONTEXTS[0]] * ROWS_PER_CONTEXT + [CONTEXTS[1]] * ROWS_PER_CONTEXT
+    out = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3).generate(
+        prompts, max_new_tokens=NEW, seed=11, **settings
+    )
+    assert out.stats.draft_tokens > ROWS_PER_CONTEXT  # lookup proposed (context A, first step: 2 tokens a row)
+    if name == "model_early_stop":  # blocks were cut short, and not always
+        assert drafter.short_blocks > 0 and 0 < out.stats.position_proposed[1] < out.stats.position_proposed[0]
+    assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate  # both branches exercised
+    if name == "composite":
+        assert drafter.lookup_rows >= ROWS_PER_CONTEXT and drafter.fallback.calls > 0
+    for c, context in enumerate(CONTEXTS):
+        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
+            counts[tuple(tokens)] += 1
+        p_value = _chi_square_p(counts, law)
+        assert p_value > 1e-6, (context, p_value)

@@ -1,0 +1,131 @@
+"""Request validation: the one path that ``SpeculativeDecoder.generate`` and the serving engine both use, so
+that they accept and refuse the same requests, before any model work.
+
+Rules: prompts are non-empty lists of ids the models' embeddings accept; ``max_new_tokens`` is an integer
+>= 0 (0 finishes at once with reason "length" and no tokens); prompt + ``max_new_tokens`` fit the models'
+positions; sampling settings as ``SamplingParams`` checks them; EOS ids are real token ids; a seed is an int.
+An unseeded sampled request gets a seed from the OS, reported back so that it can be reproduced.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..core.sampling import SamplingParams
+from ..core.streams import row_generator
+from ..policy import GammaPolicy
+from .batch import Row
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the decoder's models accept."""
+
+    vocab_size: int  # real token ids: what may be emitted, and named as EOS
+    input_limit: int  # ids every model's input embeddings accept
+    max_positions: int | None  # the longest sequence every model's positions cover, if known
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: one or more prompts decoded with the same settings."""
+
+    prompts: list[list[int]]
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    seed: int | None  # None only for greedy requests without a seed
+    seeded: bool  # the caller chose the seed: its tokens must not depend on timings
+
+    def rows(self, policy: GammaPolicy, keys: Sequence[int],
+             on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[Row]:
+        """One batch row per prompt: prompt ``b`` draws from the stream ``(seed, b)`` and gets its own
+        ``policy.for_row()``."""
+        callbacks = on_tokens if on_tokens is not None else [None] * len(self.prompts)
+        return [
+            Row(key=key, prompt=prompt, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                eos_ids=self.eos_ids, generator=None if self.sampling.greedy else row_generator(self.seed, b),
+                policy=policy.for_row(), on_tokens=callback)
+            for b, (key, prompt, callback) in enumerate(zip(keys, self.prompts, callbacks))
+        ]
+
+
+def validate_request(
+    limits: ModelLimits,
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> Request:
+    """Check a request against ``limits``; raise ``ValueError`` naming the first problem found."""
+    sampling = SamplingParams(temperature, top_k, top_p)
+    prompts = _prompts(input_ids, attention_mask, limits.input_limit)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+    eos_ids = _eos_ids(eos_token_id, limits.vocab_size)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
+    longest = max(len(p) for p in prompts)
+    if limits.max_positions is not None and longest + max_new_tokens > limits.max_positions:
+        raise ValueError(
+            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "
+            f"maximum length ({limits.max_positions})"
+        )
+    seeded = seed is not None
+    if seed is None and not sampling.greedy:
+        seed = secrets.randbits(62)
+    return Request(prompts, sampling, max_new_tokens, eos_ids, seed, seeded)
+
+
+def _prompts(input_ids, attention_mask: torch.Tensor | None, input_limit: int) -> list[list[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.is_floating_point() or input_ids.is_complex():
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        if attention_mask is not None:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(
+                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+                )
+            keep = attention_mask.bool().cpu()
+            prompts = [row[m].tolist() for row, m in zip(input_ids.cpu(), keep)]
+        else:
+            prompts = input_ids.tolist()
+    else:
+        if attention_mask is not None:
+            raise ValueError("attention_mask is only meaningful with a padded tensor of input_ids")
+        prompts = list(input_ids)
+        if prompts and all(isinstance(t, int) for t in prompts):
+            prompts = [prompts]
+        prompts = [list(p) for p in prompts]
+    if not prompts:
+        raise ValueError("input_ids holds no prompts")
+    for b, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {b} is empty: every row needs at least one token")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < input_limit]
+        if bad:
+            raise ValueError(f"prompt {b} holds token ids outside [0, {input_limit}): {bad[:5]}")
+    return prompts
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab_size: int) -> frozenset[int]:
+    if eos_token_id is None:
+        return frozenset()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+            raise ValueError(f"eos_token_id {t!r} is not a token id in [0, {vocab_size})")
+    return frozenset(ids)

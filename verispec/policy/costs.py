@@ -1,0 +1,86 @@
+"""Machine costs measured online: what a target pass and a draft pass cost on this machine.
+
+Scoring m tokens is not as cheap as scoring one on a CPU, and in a batch of B rows a step with g drafts scores
+B * (g + 1) tokens: so the target's cost is learnt per number of tokens scored in a pass, and the draft's per
+batch size. Drafts that pay at batch 1 may not at batch 16, where the target is compute-bound. Unmeasured
+sizes are interpolated from measured ones.
+
+Costs belong to the machine, not to a request: the decoder owns one ``CostTable`` per drafter, every row
+drafting with that drafter reads it, and every drafter's table shares the one curve of target costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .base import StepRecord
+
+
+@dataclass
+class Ema:
+    """An exponential moving average of measurements (the recent ones weigh most)."""
+
+    value: float | None = None
+    count: int = 0
+
+    def add(self, x: float, weight: float = 0.2) -> None:
+        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+        self.count += 1
+
+
+class CostCurve(dict[int, Ema]):
+    """Seconds by size (tokens scored, or batch rows), one moving average per measured size."""
+
+    def add(self, size: int, seconds: float) -> None:
+        self.setdefault(size, Ema()).add(seconds)
+
+    def at(self, size: int) -> float:
+        """The measured value at ``size``, else interpolated linearly between the nearest measured sizes, else
+        extrapolated with the slope of the two nearest (never decreasing; flat if only one is measured)."""
+        known = sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
+        below = [(s, y) for s, y in known if s <= size]
+        above = [(s, y) for s, y in known if s >= size]
+        if below and above:
+            (x0, y0), (x1, y1) = below[-1], above[0]
+            return y0 if x0 == x1 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+        if below:
+            if len(below) < 2:
+                return below[-1][1]
+            (x0, y0), (x1, y1) = below[-2], below[-1]
+            return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (size - x1)
+        return above[0][1]
+
+
+@dataclass
+class CostTable:
+    """One drafter's costs on this machine: ``target`` (seconds per target pass, by tokens scored in the pass,
+    shared by every drafter on the same target) and ``draft`` (seconds per draft token, i.e. one draft pass
+    over the batch, by batch rows)."""
+
+    target: CostCurve = field(default_factory=CostCurve)
+    draft: CostCurve = field(default_factory=CostCurve)
+
+    def for_drafter(self) -> CostTable:
+        """The table of another drafter on the same target: the same target curve, its own draft curve."""
+        return CostTable(target=self.target, draft=CostCurve())
+
+    @property
+    def measured(self) -> bool:
+        """Whether both the target and the draft have been timed at least once."""
+        return bool(self.target) and bool(self.draft)
+
+    def target_costs(self, max_gamma: int, rows: int = 1) -> list[float]:
+        """Seconds for the pass that scores g+1 tokens in each of ``rows`` rows, g = 0..max_gamma."""
+        return [self.target.at(rows * (g + 1)) for g in range(max_gamma + 1)]
+
+    def draft_cost(self, rows: int = 1) -> float | None:
+        """Seconds per draft token (one draft pass over the batch) at this batch size; None if never timed."""
+        return self.draft.at(rows) if self.draft else None
+
+    def observe(self, record: StepRecord) -> None:
+        """Learn from a timed step of the whole batch (a row's untimed share teaches costs nothing)."""
+        rows = max(record.batch_rows, 1)
+        if record.target_time_s is not None:
+            self.target.add(rows * (record.draft_length + 1), record.target_time_s)
+        if record.draft_time_s is not None and record.draft_length and sum(record.row_draft_lengths):
+            self.draft.add(rows, record.draft_time_s / record.draft_length)
