@@ -473,6 +473,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": ["x"] * 100, "n": 3}, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": [-1]}, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [2**40]}, None),  # refused before anything decodes it
+    ("/v1/completions", {"model": MODEL, "prompt": [[3], [2**64]]}, "prompt"),
     ("/v1/completions", {"model": MODEL}, "prompt"),
 ]
 
