@@ -49,8 +49,8 @@ def test_valid_params_and_greedy_flag():
 
 
 def test_greedy_params_never_give_nan_probs():
-    """Temperature 0 means greedy, never a division by zero (STYLE rule 8, PITFALLS #13): a warper asked for
-    greedy params must either refuse clearly or return the argmax one-hot, not NaN probabilities."""
+    """Temperature 0 means greedy, never a division by zero, and a greedy request must never be sampled: a warper
+    asked for greedy params must either refuse clearly or return the argmax one-hot, not NaN probabilities."""
     logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.0]])
     try:
         probs = probs_from_logits(logits, SamplingParams(temperature=0.0))

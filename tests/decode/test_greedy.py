@@ -41,7 +41,8 @@ def test_greedy_equals_target_for_every_budget(kind: str, gamma: int, draft_kind
         assert out.finish_reasons == ["length"]
         assert out.stats.generated_tokens == budget
         if draft_kind == "same" and budget > 1:
-            # The draft is the target: anything below 100% means a cache or position bug (PITFALLS #3, #5).
+            # The draft is the target: anything below 100% means a cache or position bug (a rollback trimming too
+            # much, or the draft never fed its own last token after a fully accepted block).
             assert out.stats.acceptance_rate == 1.0
             assert out.stats.draft_tokens > 0
 
@@ -55,7 +56,8 @@ def test_acceptance_rates_are_what_the_drafts_deserve(kind: str) -> None:
         assert out.tokens[0] == list(expected(kind, 7))
         rates[name] = out.stats.acceptance_rate
     assert rates["same"] == 1.0
-    # Partial acceptance is where the bugs are (PITFALLS #16): the perturbed draft must be neither.
+    # Partial acceptance is where the bugs are (a test whose drafts are always all accepted or all rejected
+    # cannot catch a rollback bug): the perturbed draft must be neither.
     assert 0.2 < rates["partial"] < 1.0, rates
     assert rates["unrelated"] < rates["partial"], rates
 
@@ -103,7 +105,8 @@ def test_batch_rows_equal_their_solo_runs(kind: str, batch_size: int) -> None:
     out = SpeculativeDecoder(target, partial, num_draft_tokens=3).generate(prompts, max_new_tokens=LONGEST)
     assert out.tokens == references
     if batch_size > 1:
-        # Rows accepted different counts in one step, so per-row rollback was exercised (PITFALLS #6).
+        # Rows accepted different counts in one step, so per-row rollback was exercised (rolling every row back
+        # by the same amount would have failed here).
         assert out.stats.mixed_steps > 0
         assert out.stats.steps < sum(out.stats.row_target_passes)  # rows shared target passes
 

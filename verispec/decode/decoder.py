@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
 from ..models.cache import CachedLM, max_positions, model_device, model_vocab_size
 from ..policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, make_gamma_policy
@@ -253,9 +254,8 @@ class SpeculativeDecoder:
         Bad arguments raise ``ValueError`` before any model work (``validate_request``).
         """
         drafter, limits = self._drafter_for(draft)
-        request = validate_request(limits, input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, seed=seed,
-                                   attention_mask=attention_mask)
+        request = validate_request(limits, input_ids, SamplingParams(temperature, top_k, top_p), max_new_tokens,
+                                   eos_token_id, seed, attention_mask)
         policy = self.policy_for(request, draft, num_draft_tokens) if drafter is not None else FixedGamma(0)
         policy.reset()
         stats = GenerationStats(num_draft_tokens=policy.name)

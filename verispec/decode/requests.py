@@ -57,17 +57,14 @@ class Request:
 def validate_request(
     limits: ModelLimits,
     input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
-    *,
+    sampling: SamplingParams,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
 ) -> Request:
-    """Check a request against ``limits``; raise ``ValueError`` naming the first problem found."""
-    sampling = SamplingParams(temperature, top_k, top_p)
+    """Check a request against ``limits`` (``sampling`` checked its own settings when it was built); raise
+    ``ValueError`` naming the first problem found."""
     prompts = _prompts(input_ids, attention_mask, limits.input_limit)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")

@@ -17,7 +17,7 @@ class CompositeDrafter(Drafter):
 
     Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
     ``draft_probs`` are one-hot, which is exactly the distribution a deterministic proposal was drawn from;
-    see ``verify.py``); the other rows propose the fallback's k tokens with the fallback's distributions.
+    see ``core/verify.py``); the other rows propose the fallback's k tokens with the fallback's distributions.
 
     Cost trade-off: when *some* rows match, the fallback still drafts for the whole batch (its k passes are
     batched anyway, and it must keep in step). When *every* row matches, the fallback is skipped for that

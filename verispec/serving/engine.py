@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
 from ..telemetry import GenerationStats
 
@@ -113,11 +114,9 @@ class Engine:
     def submit(self, request: EngineRequest, on_event: Callable[[TokensEvent | FinishEvent], None]) -> RequestHandle:
         """Validate and queue ``request`` (``ValueError`` if the decoder refuses it, as ``generate`` would);
         ``on_event`` is called from the engine thread, in order."""
-        valid = validate_request(
-            self.decoder.limits, [list(request.prompt_ids)], max_new_tokens=request.max_new_tokens,
-            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-            eos_token_id=list(request.eos_token_ids), seed=request.seed,
-        )
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p)
+        valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
+                                 list(request.eos_token_ids), request.seed)
         key = next(self._keys)
         row = valid.rows(self.decoder.policy_for(valid), [key],
                          [lambda tokens: on_event(TokensEvent(list(tokens)))])[0]
@@ -187,6 +186,8 @@ class Engine:
         """Cancel, join, step. ``finished`` collects the rows that end, as they end, so that a failure later in
         the turn cannot lose them."""
         if self._batch is None:
+            if not joining:  # nothing running and nothing to run
+                return
             self._batch = self.decoder.new_batch(self.decoder.drafter, self.decoder.gamma_policy,
                                                  stats=GenerationStats())
         if cancelled:
