@@ -631,13 +631,13 @@ def test_metrics_in_prometheus_text_format(live) -> None:
         buckets = [v for k, v in samples.items() if k.startswith(f"{histogram}_bucket")]
         assert buckets == sorted(buckets) and buckets[-1] == samples[f"{histogram}_count"] > 0
         assert f'{histogram}_bucket{{le="+Inf"}}' in samples
-    if samples["verispec_drafts_total"] > 0:  # the engine reports blocks and per-position acceptance
-        per_position = [v for k, v in samples.items() if k.startswith("verispec_accepted_tokens_per_position_total{")]
-        assert sum(per_position) == samples["verispec_accepted_tokens_total"]
-        # Draft i is kept only if every draft before it was: counts never grow with the position.
-        by_position = [samples[f'verispec_accepted_tokens_per_position_total{{position="{i}"}}']
-                       for i in range(len(per_position))]
-        assert by_position == sorted(by_position, reverse=True) and by_position[0] <= samples["verispec_drafts_total"]
+    assert samples["verispec_drafts_total"] > 0  # blocks of drafts, from each request's finish stats
+    per_position = [v for k, v in samples.items() if k.startswith("verispec_accepted_tokens_per_position_total{")]
+    assert sum(per_position) == samples["verispec_accepted_tokens_total"]
+    # Draft i is kept only if every draft before it was: counts never grow with the position.
+    by_position = [samples[f'verispec_accepted_tokens_per_position_total{{position="{i}"}}']
+                   for i in range(len(per_position))]
+    assert by_position == sorted(by_position, reverse=True) and by_position[0] <= samples["verispec_drafts_total"]
 
 
 # ---------------------------------------------------------------------------------------------- load
