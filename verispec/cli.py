@@ -163,14 +163,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve the OpenAI API (completions, chat, streaming, metrics) with continuous batching."""
     try:
-        from .serving.app import serve
+        from .serving.config import ServerOptions, default_allowed_hosts, default_model_name, read_api_keys
+        from .serving.lifecycle import serve
     except ImportError as error:
         raise CliError(f"serving needs fastapi, uvicorn and prometheus_client (pip install 'verispec[server]'): "
                        f"{error}") from error
+    options = ServerOptions(  # checked before the models load
+        api_keys=read_api_keys(args.api_key or (), args.api_key_file), metrics_public=args.metrics_public,
+        allowed_hosts=default_allowed_hosts(args.host, args.allowed_hosts), docs=args.docs,
+        max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
+        max_request_tokens=args.max_request_tokens, max_queued_tokens=args.max_queued_tokens,
+        shutdown_timeout=args.shutdown_timeout)
     decoder, tokenizer = build_decoder(args)
-    return serve(decoder, tokenizer, model_name=args.model_name or args.target, host=args.host, port=args.port,
-                 max_batch_size=args.max_batch_size, max_context=args.max_context,
-                 default_max_tokens=args.max_new_tokens, log_level=args.log_level, log=_log)
+    return serve(decoder, tokenizer, model_name=args.model_name or default_model_name(args.target), host=args.host,
+                 port=args.port, max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
+                 max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options,
+                 log_level=args.log_level, say=_log)
 
 
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
@@ -188,6 +196,36 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                         help="with --num-draft-tokens auto and a draft model: end a block early once the draft's "
                              "own confidence in it is below the cost model's threshold (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+
+
+def _add_serve_security_args(srv: argparse.ArgumentParser) -> None:
+    """Who may call the server, how much it accepts, how it stops (README: *Running it in production*)."""
+    from .serving.config import ServerOptions
+
+    defaults = ServerOptions()
+    srv.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (repeat for several keys; also "
+                          "VERISPEC_API_KEY, comma-separated)")
+    srv.add_argument("--api-key-file", metavar="PATH", help="a file of API keys, one a line (# comments)")
+    srv.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    srv.add_argument("--allowed-hosts", action="append", metavar="HOSTS",
+                     help="Host header values accepted, comma-separated ('*.example.com' patterns, '*' for any; "
+                          "default: loopback names when --host is loopback, else any)")
+    srv.add_argument("--docs", action="store_true", help="serve /docs and /redoc (off by default)")
+    srv.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
+                     help=f"largest request body, checked while it is read: 413 (default {defaults.max_request_bytes})")
+    srv.add_argument("--max-choices", type=int, default=defaults.max_choices, metavar="N",
+                     help=f"prompts x n per request: 400 beyond (default {defaults.max_choices})")
+    srv.add_argument("--max-request-tokens", type=int, default=defaults.max_request_tokens, metavar="N",
+                     help=f"prompts x n x max_tokens per request: 400 beyond (default {defaults.max_request_tokens})")
+    srv.add_argument("--max-queued-tokens", type=int, default=defaults.max_queued_tokens, metavar="N",
+                     help="the same summed over requests admitted and not finished: 429 with Retry-After beyond "
+                          f"(default {defaults.max_queued_tokens})")
+    srv.add_argument("--max-rows-per-request", type=int, default=None, metavar="N",
+                     help="batch slots one request's choices hold at once (default: half of --max-batch-size)")
+    srv.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout, metavar="S",
+                     help="seconds in-flight requests get after SIGTERM/SIGINT; then they end with finish_reason "
+                          f"'error' (default {defaults.shutdown_timeout:g}); a second signal exits at once")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,10 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-batch-size", type=int, default=32, metavar="B", help="rows decoded together (32)")
-    srv.add_argument("--model-name", default=None, help="the model id clients send (default: --target as given)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send (default: the zoo name or Hub id, or the folder's or file's own "
+                          "name: never a path)")
     srv.add_argument("--max-context", type=int, default=None, metavar="N",
                      help="prompt + generated tokens per request (default: the model's maximum length)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    _add_serve_security_args(srv)
     srv.set_defaults(func=cmd_serve)
     return parser
 

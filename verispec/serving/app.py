@@ -5,11 +5,14 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 
 One request, step by step:
 
+0. **Guard** (``guard.py``, before the body is read): Host allow-list, API key, JSON content type, body size.
 1. **Validate.** FastAPI validates the JSON body against ``protocol.py``'s models; anything wrong is an HTTP
    400 in OpenAI's error shape before the engine sees it, so a bad request never disturbs the others.
-2. **Submit.** ``Server.parse`` tokenises the prompt (chat: the tokenizer's chat template) and checks it
-   against the context; ``Generation`` submits one engine request per choice (``n`` per prompt; with a seed,
-   choice ``i`` gets ``seed + i``).
+2. **Submit.** ``Server.parse`` checks the request against this server's caps (choices, tokens, characters),
+   then tokenises the prompt (chat: the tokenizer's chat template) on a worker thread, so the event loop stays
+   free, and checks it against the context. ``Generation`` asks ``Admission`` for room (429 when the queued
+   work is at its bound) and submits one engine request per choice (``n`` per prompt; with a seed, choice
+   ``i`` gets ``seed + i``), grouped so that the engine shares the batch fairly between HTTP requests.
 3. **Bridge.** The engine thread's events move, in order, into the HTTP request's ``asyncio.Queue``
    (``generation.py``).
 4. **Detokenise.** A ``TextState`` per choice turns tokens into text incrementally, finds stop strings (also
@@ -19,30 +22,37 @@ One request, step by step:
 
 A stop string, or a client that disconnects, cancels the engine request: its row leaves the batch at the next
 step and frees its cache. Speculative decoding is invisible in the text; its telemetry comes in a ``verispec``
-object on each response (acceptance rate, tokens per target pass, mean draft length).
+object on each response (acceptance rate, tokens per target pass, mean draft length). An internal error is
+answered "internal error" with the request id that the log line carries, never with the exception's text.
 """
 
 from __future__ import annotations
 
 import asyncio
-import sys
-import threading
+import json
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
 from ..models import eos_token_ids
+from .admission import Admission
+from .config import ServerOptions
 from .generation import Generation, Params
+from .guard import REQUEST_ID, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
-    MAX_CHOICES,
     ApiError,
     ChatCompletionRequest,
     ChatMessage,
@@ -62,49 +72,52 @@ from .responses import (
     ModelList,
 )
 
+_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                        "/openapi.json"})  # metric labels: any other path counts as "other"
 _default_eos_ids = eos_token_ids  # create_app's keyword argument of the same name hides the function
+log = logging.getLogger("verispec.serving")
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM does): dividing logits by less can overflow
 
 
 class Server:
-    """Everything one app needs: the engine, the tokenizer, limits and metrics. No global state."""
+    """Everything one app needs: the engine, the tokenizer, limits, admission and metrics. No global state."""
 
     def __init__(self, engine, tokenizer, model_name: str, max_context: int, eos_token_ids: Sequence[int],
-                 default_max_tokens: int | None) -> None:
+                 default_max_tokens: int | None, options: ServerOptions) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {max_context}")
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.max_context, self.default_max_tokens = max_context, default_max_tokens
         self.eos_token_ids = tuple(eos_token_ids)
+        self.options = options
         self.created = int(time.time())
-        self._in_flight = 0  # engine requests submitted whose FinishEvent has not come yet
-        self._in_flight_lock = threading.Lock()
+        self.admission = Admission(options.max_queued_tokens)
+        # No token covers more characters than the vocabulary's longest entry: longer text cannot fit.
+        self.max_prompt_chars = max_context * max(1, max(map(len, tokenizer.get_vocab()), default=1))
         self.metrics = Metrics(engine.metrics, lambda: self.in_flight)
-
-    def engine_request_started(self) -> None:
-        with self._in_flight_lock:
-            self._in_flight += 1
-
-    def engine_request_done(self) -> None:  # called on the engine thread
-        with self._in_flight_lock:
-            self._in_flight -= 1
+        self._tokenizing: anyio.CapacityLimiter | None = None  # one tokenisation at a time, off the event loop
 
     @property
     def in_flight(self) -> int:
-        """Engine requests this server submitted that have not finished (cancelled ones included)."""
-        with self._in_flight_lock:
-            return self._in_flight
+        """Engine requests this server admitted that have not finished (cancelled ones included)."""
+        return self.admission.in_flight
 
-    # ---- from a validated body to what the engine needs
+    def count_http(self, path: str, status: int) -> None:
+        self.metrics.count_http(path if path in _ENDPOINTS else "other", status)
+
+    # ---- from a validated body to what the engine needs (on a worker thread: it tokenises)
 
     def parse(self, body: SamplingRequest) -> Params:
         chat = isinstance(body, ChatCompletionRequest)
         if body.model is not None and body.model != self.model_name:
             raise ApiError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+                           "model", "model_not_found", status=404)
+        choices = _prompt_count(body) * body.n
+        if choices > self.options.max_choices:
+            raise ApiError(f"this request asks for {choices} choices (prompts x n); this server's limit is "
+                           f"{self.options.max_choices} per request", "n", "invalid_value")
+        self._check_characters(body)
         prompts = self._chat_prompt(body.messages) if chat else self._completion_prompts(body.prompt)
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise ApiError(f"{len(prompts)} prompts x n={body.n} exceeds {MAX_CHOICES} choices", "n",
-                           "invalid_value")
         longest = max(len(p) for p in prompts)
         room = self.max_context - longest
         if room < 1:
@@ -113,21 +126,39 @@ class Server:
                 "tokens, which leaves no room to generate", "messages" if chat else "prompt",
                 "context_length_exceeded")
         max_name, max_tokens = body.token_limit
-        if max_tokens is None:
-            default = self.default_max_tokens or (room if chat else 16)  # OpenAI's defaults
-            max_tokens = min(default, room)
+        per_request = self.options.max_request_tokens
+        if max_tokens is None:  # OpenAI's defaults, within the context and this server's cap
+            default = self.default_max_tokens or (room if chat else 16)
+            max_tokens = max(1, min(default, room, per_request // choices))
         elif longest + max_tokens > self.max_context:
             raise ApiError(
                 f"this model's maximum context length is {self.max_context} tokens; you requested "
                 f"{longest + max_tokens} ({longest} in the prompt, {max_tokens} to generate)",
                 max_name, "context_length_exceeded")
+        elif choices * max_tokens > per_request:
+            raise ApiError(f"{choices} choices x {max_name}={max_tokens} is {choices * max_tokens} tokens; this "
+                           f"server's limit is {per_request} tokens per request", max_name, "invalid_value")
         options = body.stream_options
         return Params(
-            chat=chat, prompts=prompts, max_tokens=max_tokens, temperature=body.temperature,
+            chat=chat, prompts=prompts, max_tokens=max_tokens,
+            temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature,
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
         )
+
+    def _check_characters(self, body: SamplingRequest) -> None:
+        """Refuse, before tokenising, text too long to fit the context whatever its tokens."""
+        if isinstance(body, ChatCompletionRequest):
+            param, texts = "messages", ["".join(m.role + m.text for m in body.messages)]
+        else:
+            param = "prompt"
+            texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
+        longest = max(map(len, texts), default=0)
+        if longest > self.max_prompt_chars:
+            raise ApiError(f"the {param} holds {longest} characters; no text longer than {self.max_prompt_chars} "
+                           f"characters fits this model's context of {self.max_context} tokens", param,
+                           "context_length_exceeded")
 
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -163,8 +194,11 @@ class Server:
 
     async def completions(self, request: Request, body: SamplingRequest) -> Response:
         endpoint = request.url.path
+        if self._tokenizing is None:
+            self._tokenizing = anyio.CapacityLimiter(1)
         try:
-            generation = Generation(self, self.parse(body))
+            params = await anyio.to_thread.run_sync(self.parse, body, limiter=self._tokenizing)
+            generation = Generation(self, params)
             generation.submit()
         except ApiError as error:
             self.metrics.count_http(endpoint, error.status)
@@ -174,7 +208,8 @@ class Server:
         # never started, a generator that is never closed): it cancels the engine requests.
         watcher = asyncio.create_task(_watch_disconnect(request, generation))
         if generation.params.stream:
-            return StreamingResponse(self._stream(generation, watcher), media_type="text/event-stream",
+            return StreamingResponse(self._stream(generation, watcher, request.scope.get(REQUEST_ID)),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
             async for _ in generation.run():
@@ -186,7 +221,7 @@ class Server:
             return Response(status_code=499)  # nobody reads it
         return _json(generation.full_response())
 
-    async def _stream(self, generation: Generation, watcher: asyncio.Task) -> AsyncIterator[str]:
+    async def _stream(self, generation: Generation, watcher: asyncio.Task, request_id: str | None) -> AsyncIterator[str]:
         try:
             if generation.params.chat:
                 for choice in generation.choices:
@@ -197,13 +232,29 @@ class Server:
                 return
             if generation.params.include_usage:
                 yield _sse(generation.chunk(None, None, False))
-            yield "data: [DONE]\n\n"
+        except Exception as error:  # noqa: BLE001 - the status line has gone: end the stream in a well-formed way
+            yield f"data: {_internal_error(request_id, error)}\n\n"
         finally:  # also when the client disconnects (the generator is cancelled or closed)
             watcher.cancel()
             generation.cancel()
+        yield "data: [DONE]\n\n"
 
     def models(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context)])
+
+
+def _prompt_count(body: SamplingRequest) -> int:
+    """Prompts in a validated body: a chat is one; a list of strings or of token-id lists is one each."""
+    prompt = getattr(body, "prompt", None)
+    return len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
+
+
+def _internal_error(request_id: str | None, error: BaseException) -> str:
+    """Log ``error`` with the request id; the body that says no more than that (JSON)."""
+    request_id = request_id or uuid.uuid4().hex
+    log.error("internal error in request %s", request_id, exc_info=error)
+    return json.dumps(error_body(f"internal error (request id {request_id})", code="internal_error",
+                                 kind="server_error"))
 
 
 async def _watch_disconnect(request: Request, generation: Generation) -> None:
@@ -224,12 +275,17 @@ def _sse(body: BaseModel) -> str:
 
 
 def _documented(response: type[BaseModel], chunk: type[BaseModel]) -> dict:
-    """OpenAPI responses of a completion endpoint: the JSON body, or its stream of chunks."""
+    """OpenAPI responses of a completion endpoint: the JSON body, or its stream of chunks, and the errors."""
+    errors = {400: "A bad request.", 401: "No API key, or a wrong one (when the server has keys).",
+              404: "The model named is not served here.", 413: "The body is larger than the server accepts.",
+              415: "The body is not sent as JSON.", 429: "The server's queued work is at its bound; see Retry-After.",
+              503: "The server is shutting down."}
     return {
         200: {"model": response, "description": "The completion, or with `stream: true` server-sent events: "
                                                 "one `data: <chunk>` per piece of text, then `data: [DONE]`.",
               "content": {"text/event-stream": {"schema": {"$ref": f"#/components/schemas/{chunk.__name__}"}}}},
-        400: {"model": ErrorResponse, "description": "A bad request, in OpenAI's error shape."},
+        **{status: {"model": ErrorResponse, "description": f"{text} OpenAI's error shape."}
+           for status, text in errors.items()},
     }
 
 
@@ -252,35 +308,48 @@ def _with_chunk_schemas(app: FastAPI) -> Callable[[], dict]:
 
 
 def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_token_ids: Sequence[int] | None = None,
-               default_max_tokens: int | None = None) -> FastAPI:
+               default_max_tokens: int | None = None, options: ServerOptions | None = None) -> FastAPI:
     """The OpenAI-compatible app over a started ``engine``; the caller owns the engine (start and shutdown).
 
     ``max_context``: prompt + generated tokens per request. ``eos_token_ids``: where generation stops
     (default: the tokenizer's EOS and chat end tokens). ``default_max_tokens``: when a request gives none
-    (default: OpenAI's, 16 for completions and the rest of the context for chat).
+    (default: OpenAI's, 16 for completions and the rest of the context for chat, within the per-request cap).
+    ``options``: keys, Host allow-list, limits (``ServerOptions``'s defaults: no key, any Host).
     """
+    options = options or ServerOptions()
     eos = _default_eos_ids(tokenizer) if eos_token_ids is None else list(eos_token_ids)
-    server = Server(engine, tokenizer, model_name, max_context, eos, default_max_tokens)
-    app = FastAPI(title="verispec", version=__version__)
+    server = Server(engine, tokenizer, model_name, max_context, eos, default_max_tokens, options)
+    app = FastAPI(title="verispec", version=__version__, docs_url="/docs" if options.docs else None,
+                  redoc_url="/redoc" if options.docs else None)
     app.state.verispec = server
     app.openapi = _with_chunk_schemas(app)
+    # The last added runs first: Host, then the guard (request id, key, content type, declared length), then the
+    # count of bytes actually read.
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=options.max_request_bytes)
+    app.add_middleware(Guard, api_keys=options.api_keys, metrics_public=options.metrics_public,
+                       max_request_bytes=options.max_request_bytes, count=server.count_http)
+    if options.allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(options.allowed_hosts), www_redirect=False)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
         refused = validation_error(error.errors())
-        server.metrics.count_http(request.url.path, refused.status)
+        server.count_http(request.url.path, refused.status)
         return refused.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        server.metrics.count_http("other", error.status_code)
-        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)), status_code=error.status_code)
+        server.count_http(request.url.path, error.status_code)
+        if error.status_code == 413:
+            return too_large(options.max_request_bytes).response()
+        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)), status_code=error.status_code,
+                            headers=error.headers)
 
     @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> JSONResponse:
-        server.metrics.count_http(request.url.path, 500)
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}: {error}", kind="server_error"),
-                            status_code=500)
+    async def internal_error(request: Request, error: Exception) -> Response:
+        server.count_http(request.url.path, 500)
+        return Response(_internal_error(request.scope.get(REQUEST_ID), error), status_code=500,
+                        media_type="application/json")
 
     @app.post("/v1/completions", response_model=None, responses=_documented(CompletionResponse, CompletionChunk))
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -295,38 +364,15 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     async def models() -> ModelList:
         return server.models()
 
-    @app.get("/health")
-    async def health() -> Health:
-        return Health(status="ok", requests_in_flight=server.in_flight)
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining for "
+                                                                                                "shutdown."}})
+    async def health() -> Response:
+        draining = server.admission.draining
+        body = Health(status="draining" if draining else "ok", requests_in_flight=server.in_flight)
+        return Response(body.model_dump_json(), status_code=503 if draining else 200, media_type="application/json")
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
-
-
-def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch_size: int = 32, max_context: int | None = None, default_max_tokens: int | None = None,
-          log_level: str = "info", log: Callable[[str], None] | None = None) -> int:
-    """Serve ``decoder`` over HTTP until interrupted (``verispec serve`` after loading the models)."""
-    import uvicorn
-
-    from .engine import Engine
-
-    log = log or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
-    context = decoder.max_positions or max_context
-    if context is None:
-        raise ValueError("the model does not say its maximum length; give --max-context")
-    if max_context is not None:
-        context = min(context, max_context)
-    engine = Engine(decoder, max_batch_size=max_batch_size)
-    app = create_app(engine, tokenizer, model_name, context,
-                     eos_token_ids=eos_token_ids(tokenizer, decoder.target_model), default_max_tokens=default_max_tokens)
-    engine.start()
-    try:
-        log(f"serving {model_name} on http://{host}:{port}/v1 (context {context}, batch up to {max_batch_size})")
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
-    finally:
-        engine.shutdown()
-    return 0

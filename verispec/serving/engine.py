@@ -9,6 +9,10 @@ matrix products).
 
 Every request submitted gets exactly one ``FinishEvent``, whatever happens: it finishes, it is cancelled, a
 callback of its own raises, the batch fails, or the engine shuts down.
+
+Fair scheduling: requests of one ``group`` (the server's HTTP request: its choices) share the batch with other
+groups. Free slots go round-robin to the waiting groups, fewest running rows first, and no group holds more
+than ``max_rows_per_group`` slots, so a request of 256 choices leaves room for a small request beside it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import itertools
 import threading
 import time
 import traceback
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.sampling import SamplingParams
@@ -37,6 +41,7 @@ class EngineRequest:
     top_k: int | None = None
     seed: int | None = None
     eos_token_ids: Sequence[int] = ()
+    group: Hashable | None = None  # requests of one group share the batch fairly with others; None: its own
 
 
 @dataclass
@@ -69,18 +74,26 @@ class _Pending:
     row: Row
     on_event: Callable[[TokensEvent | FinishEvent], None]
     submitted: float
+    group: Hashable
+    joined: bool = False  # has taken a slot in the batch
 
 
 class Engine:
     """Runs a ``SpeculativeDecoder`` over a batch that requests join and leave between steps."""
 
-    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 32) -> None:
+    def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 32,
+                 max_rows_per_group: int | None = None) -> None:
+        """``max_rows_per_group``: the most slots one group's requests hold at once (default: every slot)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_rows_per_group is not None and max_rows_per_group < 1:
+            raise ValueError(f"max_rows_per_group must be >= 1, got {max_rows_per_group}")
         self.decoder = decoder
         self.max_batch_size = max_batch_size
+        self.max_rows_per_group = min(max_rows_per_group or max_batch_size, max_batch_size)
         self._cv = threading.Condition()
-        self._waiting: deque[_Pending] = deque()
+        self._waiting: dict[Hashable, deque[_Pending]] = {}  # by group, groups in the order they began waiting
+        self._group_rows: Counter[Hashable] = Counter()  # slots each group holds
         self._cancelled: set[int] = set()
         self._dropped: list[_Pending] = []  # cancelled before joining the batch
         self._open: dict[int, _Pending] = {}  # every request submitted and not reported finished, by key
@@ -99,15 +112,15 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = 60.0) -> None:
         """Stop the loop after its current step; every request not finished yet gets
-        ``FinishEvent("cancelled", error=...)``. New submissions are refused from now on."""
+        ``FinishEvent("cancelled", error=...)``. New submissions are refused from now on. Waits up to ``timeout``
+        seconds for the engine thread (a daemon) to end."""
         with self._cv:
             self._stop = True
             self._cv.notify_all()
         if self._thread is not None:
-            self._thread.join(timeout=60)
-            self._thread = None
+            self._thread.join(timeout=timeout)
         else:  # never started: report the waiting requests from here
             self._finish_everything()
 
@@ -123,9 +136,10 @@ class Engine:
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
-            pending = _Pending(row, on_event, time.perf_counter())
+            group = ("request", key) if request.group is None else ("group", request.group)
+            pending = _Pending(row, on_event, time.perf_counter(), group)
             self._open[key] = pending
-            self._waiting.append(pending)
+            self._waiting.setdefault(group, deque()).append(pending)
             self._cv.notify_all()
         return RequestHandle(id=f"req-{key}", _engine=self, _key=key)
 
@@ -140,21 +154,42 @@ class Engine:
                 "accepted_per_position": list(self.accepted_per_position),
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
-                "waiting": len(self._waiting),
+                "waiting": sum(len(queue) for queue in self._waiting.values()),
             }
 
     # --- the loop ---------------------------------------------------------------------------------------
     def _cancel(self, key: int) -> None:
         with self._cv:
-            for pending in list(self._waiting):
-                if pending.row.key == key:  # not started yet: the engine thread reports it at its next turn
-                    self._waiting.remove(pending)
-                    pending.row.reason = "cancelled"
-                    self._dropped.append(pending)
-                    self._cv.notify_all()
-                    return
-            self._cancelled.add(key)
+            pending = self._open.get(key)
+            queue = self._waiting.get(pending.group) if pending is not None and not pending.joined else None
+            if queue is not None and pending in queue:  # not started yet: the engine thread reports it next turn
+                queue.remove(pending)
+                if not queue:
+                    del self._waiting[pending.group]
+                pending.row.reason = "cancelled"
+                self._dropped.append(pending)
+            else:
+                self._cancelled.add(key)
             self._cv.notify_all()
+
+    def _joining_locked(self) -> list[_Pending]:
+        """Waiting requests that take the free slots: one at a time to the group holding the fewest slots (of
+        two, the one waiting longer), never past a group's share."""
+        joining = []
+        while self._waiting and self.running + len(joining) < self.max_batch_size:
+            open_groups = [(self._group_rows[group], order, group) for order, (group, queue) in
+                           enumerate(self._waiting.items()) if self._group_rows[group] < self.max_rows_per_group]
+            if not open_groups:
+                break
+            group = min(open_groups, key=lambda entry: entry[:2])[2]
+            queue = self._waiting.pop(group)
+            pending = queue.popleft()
+            if queue:  # the group goes to the back of the line
+                self._waiting[group] = queue
+            pending.joined = True
+            self._group_rows[group] += 1
+            joining.append(pending)
+        return joining
 
     def _loop(self) -> None:
         while True:
@@ -166,9 +201,7 @@ class Engine:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
                 dropped, self._dropped = self._dropped, []
-                joining = []
-                while self._waiting and self.running + len(joining) < self.max_batch_size:
-                    joining.append(self._waiting.popleft())
+                joining = self._joining_locked()
                 self.running += len(joining)  # counted as running from the moment they leave the queue
             finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
             try:
@@ -228,6 +261,7 @@ class Engine:
                     pending.row.reason, pending.row.error = "cancelled", _SHUTDOWN
                 self._finish_locked(pending.row)
             self._waiting.clear()
+            self._group_rows.clear()
             self._dropped, self._cancelled = [], set()
             self._close_batch()
             self.running = 0
@@ -237,6 +271,11 @@ class Engine:
         pending = self._open.pop(row.key, None)
         if pending is None:  # already reported
             return
+        if pending.joined:
+            pending.joined = False
+            self._group_rows[pending.group] -= 1
+            if not self._group_rows[pending.group]:
+                del self._group_rows[pending.group]
         self.requests_total[row.reason] = self.requests_total.get(row.reason, 0) + 1
         self.tokens_generated += len(row.output)
         self.draft_tokens += row.draft_tokens

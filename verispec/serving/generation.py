@@ -86,27 +86,28 @@ class Generation:
         self.disconnected = False
 
     def submit(self) -> None:
-        """Queue one engine request per choice; a refused one (``ValueError``) refuses the whole request."""
+        """Admit the request's work (``ApiError`` 429 or 503 if there is no room), then queue one engine request
+        per choice, all in one group; a refused one (``ValueError``) refuses the whole request."""
         p = self.params
+        admission = self.server.admission
+        admission.admit(len(self.choices), p.max_tokens)
+        submitted = 0
         try:
             for choice in self.choices:
                 seed = None if p.seed is None else (p.seed + choice.index % p.n) % 2**63
                 request = EngineRequest(
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
-                    eos_token_ids=self.server.eos_token_ids,
+                    eos_token_ids=self.server.eos_token_ids, group=self.id,
                 )
-                self.server.engine_request_started()
-                try:
-                    choice.handle = self.server.engine.submit(request, self._poster(choice.index))
-                except BaseException:
-                    self.server.engine_request_done()
-                    raise
-        except ValueError as error:
-            self.cancel(count=False)
-            raise ApiError(str(error)) from error
+                choice.handle = self.server.engine.submit(request, self._poster(choice.index))
+                submitted += 1
         except Exception as error:
+            for _ in self.choices[submitted:]:  # never submitted: no FinishEvent will give their share back
+                admission.finished(p.max_tokens)
             self.cancel(count=False)
+            if isinstance(error, ValueError):
+                raise ApiError(str(error)) from error
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
         for choice in self.choices:
             choice.state = TextState(self.server.tokenizer, p.prompts[choice.prompt_index], p.stops)
@@ -116,8 +117,8 @@ class Generation:
             if isinstance(event, FinishEvent):
                 try:
                     self.server.metrics.count_engine_finish(event.reason, event.stats or {})
-                finally:  # the in-flight count, and the event below, must never be lost
-                    self.server.engine_request_done()
+                finally:  # the admitted work, and the event below, must never be lost
+                    self.server.admission.finished(self.params.max_tokens)
             try:
                 self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
             except RuntimeError:  # the event loop is closed (server shutting down): nobody is listening

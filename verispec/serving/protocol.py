@@ -12,10 +12,20 @@ from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
-MAX_CHOICES = 256  # prompts x n in one request
+from .config import MAX_CHOICES
+
 MAX_STOP_STRINGS = 16
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
 
@@ -40,12 +50,14 @@ class ApiError(Exception):
     """A request the server refuses, answered in OpenAI's error shape."""
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.param, self.code, self.kind), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.param, self.code, self.kind), status_code=self.status,
+                            headers=self.headers)
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,
@@ -55,6 +67,8 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 # Error types raised by the validators below: their messages already name the field.
 _OWN_ERRORS = {"invalid_type", "invalid_value", "unsupported_parameter", "unsupported_content"}
+# Raised inside a field (a string in a list, a message's content): reported as it is, never as a type error.
+_PASS_THROUGH = "invalid_text"
 
 
 def validation_error(errors: Sequence[dict]) -> ApiError:
@@ -90,6 +104,29 @@ def _short(value: Any, limit: int = 60) -> str:
 # ------------------------------------------------------------------------------------------ field types
 
 
+def _valid_text(text: str) -> str:
+    """Refuse strings that are not Unicode text: JSON's ``\\ud800`` escapes decode to lone UTF-16 surrogates,
+    which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        surrogate = f"U+{ord(text[error.start]):04X}"
+        raise PydanticCustomError(_PASS_THROUGH, f"the text holds a lone UTF-16 surrogate ({surrogate}) at character "
+                                  f"{error.start}, which is not Unicode text") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
+def _passed_through(error: ValidationError) -> PydanticCustomError | None:
+    """The first error a field raised about its own text, to report instead of a union's type errors."""
+    for e in error.errors():
+        if e["type"] == _PASS_THROUGH:
+            return PydanticCustomError(_PASS_THROUGH, e["msg"])
+    return None
+
+
 def _one_error(message: str, range_message: str | None = None) -> WrapValidator:
     """Any validation error of the field becomes one readable error (a union's errors would name every branch
     it tried); ``range_message`` is used instead when a number was out of its range."""
@@ -98,6 +135,8 @@ def _one_error(message: str, range_message: str | None = None) -> WrapValidator:
         try:
             return handler(value)
         except ValidationError as error:
+            if (own := _passed_through(error)) is not None:
+                raise own from None
             kinds = {e["type"] for e in error.errors()}
             if range_message and kinds & {"greater_than_equal", "less_than_equal"}:
                 raise PydanticCustomError("invalid_value", range_message) from None
@@ -109,17 +148,19 @@ def _one_error(message: str, range_message: str | None = None) -> WrapValidator:
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Prompt = Annotated[
-    str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
+    Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)],
     _one_error("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                f"token ids must be between 0 and {MAX_TOKEN_ID}"),
 ]
-Stop = Annotated[str | list[str], _one_error("'stop' must be a string or a list of strings")]
+Stop = Annotated[Text | list[Text], _one_error("'stop' must be a string or a list of strings")]
 
 
 def _content_error(value: Any, handler: Callable[[Any], Any]) -> Any:
     try:
         return handler(value)
-    except ValidationError:
+    except ValidationError as error:
+        if (own := _passed_through(error)) is not None:
+            raise own from None
         if isinstance(value, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
             raise PydanticCustomError("unsupported_content", "only text content parts are supported") from None
         raise PydanticCustomError("invalid_type", "a message's content must be a string or a list of text "
@@ -130,7 +171,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class StreamOptions(BaseModel):
@@ -172,7 +213,7 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
     model: str | None = Field(None, description="Must be the served model's id if given.")
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"Choices per prompt (prompts x n <= {MAX_CHOICES}).")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt; prompts x n is capped by the server (--max-choices).")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Default: 16 for completions, the rest of the context for chat.")
     temperature: float = Field(1.0, ge=0, description="1.0 (sampling) by default, as in OpenAI's API; 0 is greedy.")
@@ -258,8 +299,8 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: str
-    content: Annotated[str | list[TextPart] | None, WrapValidator(_content_error)] = Field(
+    role: Text
+    content: Annotated[Text | list[TextPart] | None, WrapValidator(_content_error)] = Field(
         None, description="Text, or a list of text parts.")
 
     @property
