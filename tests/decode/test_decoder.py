@@ -139,3 +139,24 @@ def test_draft_equal_to_target_is_almost_always_accepted_when_sampling() -> None
     )
     # Identical distributions up to rounding between 1-token and (k+1)-token passes: ratio == 1 almost surely.
     assert out.stats.acceptance_rate > 0.98
+
+
+def test_a_raising_token_callback_propagates_and_gives_the_drafter_back(decoder) -> None:
+    def broken(row: int, tokens: list[int]) -> None:
+        raise KeyError("the caller's own error")
+
+    with pytest.raises(KeyError, match="the caller's own error"):
+        decoder.generate([prompt(5, 1), prompt(3, 2)], max_new_tokens=10, on_tokens=broken)
+    used = []
+    propose = decoder.drafter.propose
+
+    def spy(*args):
+        used.append(1)
+        return propose(*args)
+
+    decoder.drafter.propose = spy  # the next call drafts with the decoder's own drafter again, not a fork
+    try:
+        decoder.generate([prompt(5, 1)], max_new_tokens=10)
+    finally:
+        del decoder.drafter.propose
+    assert used

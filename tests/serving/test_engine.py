@@ -95,6 +95,27 @@ def test_cancel_frees_the_slot_and_eos_stops(engine) -> None:
     assert engine.metrics()["running"] == 0
 
 
+def test_cancel_a_running_request_after_its_first_tokens(engine) -> None:
+    target = pair("qwen2")[0]
+    running = threading.Event()
+    collector = Collector()
+
+    def on_event(event) -> None:
+        collector(event)
+        if isinstance(event, TokensEvent):
+            running.set()
+
+    handle = engine.submit(EngineRequest(prompt(5, 4), max_new_tokens=200), on_event)
+    neighbour = submit(engine, EngineRequest(prompt(6, 6), max_new_tokens=30))
+    assert running.wait(60)  # it is in the batch and has produced tokens
+    handle.cancel()
+    assert collector.done.wait(60) and collector.finish.reason == "cancelled"
+    assert 0 < len(collector.tokens) < 200
+    assert collector.tokens == reference_greedy(target, prompt(5, 4), len(collector.tokens))
+    assert neighbour.done.wait(60) and neighbour.tokens == reference_greedy(target, prompt(6, 6), 30)
+    assert engine.metrics()["running"] == 0
+
+
 def test_bad_requests_raise_before_queuing(engine) -> None:
     for bad in (dict(max_new_tokens=-1), dict(temperature=-1.0), dict(top_p=2.0), dict(max_new_tokens=10_000)):
         with pytest.raises(ValueError):

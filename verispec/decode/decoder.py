@@ -256,7 +256,9 @@ class SpeculativeDecoder:
         drafter, limits = self._drafter_for(draft)
         request = validate_request(limits, input_ids, SamplingParams(temperature, top_k, top_p), max_new_tokens,
                                    eos_token_id, seed, attention_mask)
-        policy = self.policy_for(request, draft, num_draft_tokens) if drafter is not None else FixedGamma(0)
+        policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
+        if drafter is None:
+            policy = FixedGamma(0)
         policy.reset()
         stats = GenerationStats(num_draft_tokens=policy.name)
         stats.start_rows(len(request.prompts))
