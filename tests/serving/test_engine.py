@@ -308,3 +308,40 @@ def test_generate_and_the_engine_running_at_once_with_an_early_exit_draft() -> N
     assert outs == [reference_greedy(target, prompt(4, 30 + i), 25) for i in range(2)]
     for i, c in enumerate(served):
         assert c.tokens == reference_greedy(target, prompt(5, 20 + i), 60)
+
+
+def test_groups_share_the_batch_fairly() -> None:
+    """Four requests of one group (an HTTP request's choices) and then one of another, queued before the engine
+    starts: the big group holds at most its share of slots, and the small request joins the first batch beside
+    it instead of waiting for the big group's rows to finish. Nobody's tokens change."""
+    target, draft, _ = pair("qwen2")
+    engine = Engine(SpeculativeDecoder(target, draft, num_draft_tokens=3), max_batch_size=4, max_rows_per_group=2)
+    events: list[tuple[str, str]] = []  # (request, "tokens" | "finish"), in the engine's order
+
+    def recorder(name: str, collector: Collector):
+        def on_event(event) -> None:
+            events.append((name, "finish" if isinstance(event, FinishEvent) else "tokens"))
+            collector(event)
+        return on_event
+
+    requests = {f"big{i}": EngineRequest(prompt(4, 20 + i), max_new_tokens=16, group="big") for i in range(4)}
+    requests["small"] = EngineRequest(prompt(4, 40), max_new_tokens=6, group="small")
+    collectors = {name: Collector() for name in requests}
+    for name, request in requests.items():
+        engine.submit(request, recorder(name, collectors[name]))
+    engine.start()
+    try:
+        for c in collectors.values():
+            assert c.done.wait(120)
+    finally:
+        engine.shutdown()
+    active, most = set(), 0
+    for name, kind in events:
+        if name.startswith("big"):
+            (active.add if kind == "tokens" else active.discard)(name)
+            most = max(most, len(active))
+    assert most == 2  # the big group never held more than its share
+    first_token = {name: events.index((name, "tokens")) for name in requests}
+    assert events.index(("small", "finish")) < min(first_token[f"big{i}"] for i in range(2, 4))
+    for name, request in requests.items():
+        assert collectors[name].tokens == reference_greedy(target, request.prompt_ids, request.max_new_tokens)

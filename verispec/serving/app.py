@@ -50,7 +50,7 @@ from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
 from .generation import Generation, Params
-from .guard import REQUEST_ID, Guard, too_large
+from .guard import REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     ApiError,
@@ -74,6 +74,7 @@ from .responses import (
 
 _ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                         "/openapi.json"})  # metric labels: any other path counts as "other"
+_HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}  # 400: FastAPI could not read it
 _default_eos_ids = eos_token_ids  # create_app's keyword argument of the same name hides the function
 log = logging.getLogger("verispec.serving")
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM does): dividing logits by less can overflow
@@ -233,7 +234,7 @@ class Server:
             if generation.params.include_usage:
                 yield _sse(generation.chunk(None, None, False))
         except Exception as error:  # noqa: BLE001 - the status line has gone: end the stream in a well-formed way
-            yield f"data: {_internal_error(request_id, error)}\n\n"
+            yield f"data: {_internal_error(request_id, error)[1]}\n\n"
         finally:  # also when the client disconnects (the generator is cancelled or closed)
             watcher.cancel()
             generation.cancel()
@@ -249,12 +250,12 @@ def _prompt_count(body: SamplingRequest) -> int:
     return len(prompt) if isinstance(prompt, list) and not isinstance(prompt[0], int) else 1
 
 
-def _internal_error(request_id: str | None, error: BaseException) -> str:
-    """Log ``error`` with the request id; the body that says no more than that (JSON)."""
+def _internal_error(request_id: str | None, error: BaseException) -> tuple[str, str]:
+    """Log ``error`` with the request id; returns the id and a JSON body that says no more than it."""
     request_id = request_id or uuid.uuid4().hex
     log.error("internal error in request %s", request_id, exc_info=error)
-    return json.dumps(error_body(f"internal error (request id {request_id})", code="internal_error",
-                                 kind="server_error"))
+    return request_id, json.dumps(error_body(f"internal error (request id {request_id})", code="internal_error",
+                                             kind="server_error"))
 
 
 async def _watch_disconnect(request: Request, generation: Generation) -> None:
@@ -342,14 +343,15 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
         server.count_http(request.url.path, error.status_code)
         if error.status_code == 413:
             return too_large(options.max_request_bytes).response()
-        return JSONResponse(error_body(str(error.detail), code=str(error.status_code)), status_code=error.status_code,
-                            headers=error.headers)
+        code = _HTTP_CODES.get(error.status_code, str(error.status_code))
+        message = f"the request body is not valid JSON: {error.detail}" if code == "invalid_json" else str(error.detail)
+        return JSONResponse(error_body(message, code=code), status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> Response:
         server.count_http(request.url.path, 500)
-        return Response(_internal_error(request.scope.get(REQUEST_ID), error), status_code=500,
-                        media_type="application/json")
+        request_id, body = _internal_error(request.scope.get(REQUEST_ID), error)  # this response skips the guard
+        return Response(body, status_code=500, media_type="application/json", headers={REQUEST_ID_HEADER: request_id})
 
     @app.post("/v1/completions", response_model=None, responses=_documented(CompletionResponse, CompletionChunk))
     async def completions(body: CompletionRequest, request: Request) -> Response:
