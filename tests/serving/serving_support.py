@@ -4,14 +4,20 @@ server on a free loopback port, and a Prometheus text parser."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-WORDS = ["<unk>", "<s>", "</s>"] + ["def", "return", "x", "y", "z", "(", ")", ":", "+", "-", "*", "1", "2", "3", "if", "else", "for", "in", "print", "hello", "world", "user", "assistant", "system", "the", "a", "cat", "dog"]
+WORDS = ["<unk>", "<s>", "</s>"] + (
+    "def return x y z ( ) : + - * 1 2 3 if else for in print hello world user assistant system the a cat dog"
+).split()
 EOS = 2
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
@@ -19,13 +25,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def word_tokenizer():
+def word_tokenizer(eos: bool = True):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="</s>" if eos else None)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -54,9 +60,10 @@ NAN_ID = len(WORDS) + PADDING - 1  # its embedding is NaN in the target
 MODEL = "tiny"
 
 
-def save_pair(root: Path, max_positions: int = 128) -> tuple[str, str]:
+def save_pair(root: Path, max_positions: int = 128, eos: bool = True) -> tuple[str, str]:
     """A tiny Llama target (its ``NAN_ID`` embedding row NaN) and a perturbed copy as draft, with the word
-    tokenizer, saved under ``root``; returns their folders."""
+    tokenizer, saved under ``root``; returns their folders. ``eos=False``: no EOS anywhere, so every completion
+    runs to its length."""
     import torch
     from tiny_models import perturbed
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -64,14 +71,14 @@ def save_pair(root: Path, max_positions: int = 128) -> tuple[str, str]:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(WORDS) + PADDING, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                         bos_token_id=1, eos_token_id=EOS, initializer_range=0.1)
+                         bos_token_id=1, eos_token_id=EOS if eos else None, initializer_range=0.1)
     target = LlamaForCausalLM(config).eval()
     draft = perturbed(target, scale=0.08, seed=3)
     with torch.no_grad():
         target.get_input_embeddings().weight[NAN_ID] = float("nan")
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)
-        word_tokenizer().save_pretrained(root / name)
+        word_tokenizer(eos).save_pretrained(root / name)
     return str(root / "target"), str(root / "draft")
 
 
@@ -131,3 +138,106 @@ def serve_tiny(model_dirs: tuple[str, str], *, options=None, max_batch_size: int
     server.target_dir = target
     server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     return server
+
+
+# --------------------------------------------------------------------------- reading and holding a server
+
+
+def extra(obj, name: str):
+    """A field the OpenAI types do not declare (``stop_reason``, ``verispec``), as the client kept it."""
+    extra = getattr(obj, "model_extra", None) or {}
+    return extra.get(name, getattr(obj, name, None))
+
+
+def expected_tokens(text: str, finish_reason: str, stop_reason) -> int:
+    """Word-level tokenizer: one token per word (a word cut by a stop string too); a trailing space comes with
+    the next word's token; plus EOS when the model stopped by itself."""
+    return len(text.split()) + text.endswith(" ") + (finish_reason == "stop" and stop_reason is None)
+
+
+def idle(live, timeout: float = 15.0) -> dict:
+    """Wait until every engine request the server submitted has finished and the engine's batch is empty;
+    return the engine's metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = live.engine.metrics()
+        in_flight = live.app.state.verispec.in_flight
+        if in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not idle after {timeout} s: {in_flight} in flight, engine {metrics}")
+        time.sleep(0.02)
+
+
+@dataclass
+class _ReleasingHandle:
+    handle: Any
+    released: threading.Event
+
+    def cancel(self) -> None:
+        self.handle.cancel()
+        self.released.set()
+
+
+class CancelGate:
+    """Holds the engine, once a request has delivered ``after_tokens`` tokens, until the server cancels it
+    (or it finishes): the cancellation then always lands while the request is still running, however fast or
+    slow the machine. Only requests for which ``gated(request)`` holds are watched.
+
+    It wraps ``engine.submit`` (to see each request's events and its handle's ``cancel``); the engine thread
+    waits in a hook on the target model's forward pass. ``delivered`` is set once a watched request has
+    delivered its tokens: a client may hang up from then on.
+    """
+
+    def __init__(self, live, after_tokens: int = 1, gated: Callable[[Any], bool] = lambda request: True):
+        self.live, self.after_tokens, self.gated = live, after_tokens, gated
+        self.delivered = threading.Event()
+        self._watched: list[tuple[threading.Event, threading.Event]] = []  # (delivered, released) per request
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> CancelGate:
+        submit = self.live.engine.submit
+
+        def gated_submit(request, on_event: Callable) -> Any:
+            if not self.gated(request):
+                return submit(request, on_event)
+            delivered, released = threading.Event(), threading.Event()
+            count = 0
+
+            def watch(event) -> None:
+                nonlocal count
+                if not hasattr(event, "tokens"):  # the FinishEvent
+                    released.set()
+                else:
+                    count += len(event.tokens)
+                    if count >= self.after_tokens:
+                        delivered.set()
+                        self.delivered.set()
+                on_event(event)
+
+            with self._lock:  # before submitting: the engine may run the request at once
+                self._watched.append((delivered, released))
+            return _ReleasingHandle(submit(request, watch), released)
+
+        self.live.engine.submit = gated_submit
+        self._hook = self.live.decoder.target_model.register_forward_pre_hook(self._hold)
+        return self
+
+    def _hold(self, module, args) -> None:
+        with self._lock:
+            watched = list(self._watched)
+        for delivered, released in watched:
+            if delivered.is_set():
+                released.wait(timeout=60)
+
+    def __exit__(self, *exc_info) -> None:
+        del self.live.engine.submit
+        self._hook.remove()
+        with self._lock:
+            for _, released in self._watched:
+                released.set()
+
+
+def post(live, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{live.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from serving_support import MODEL, WORDS, save_pair, serve_tiny
+from serving_support import MODEL, WORDS, serve_tiny
 
 from verispec.serving.config import ServerOptions
 
@@ -25,9 +25,8 @@ FUZZ = settings(max_examples=100, deadline=None, derandomize=True, database=None
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory):
-    server = serve_tiny(save_pair(tmp_path_factory.mktemp("fuzz-models")), options=OPTIONS, max_batch_size=8,
-                        num_draft_tokens=2)
+def fuzzed(model_dirs):
+    server = serve_tiny(model_dirs, options=OPTIONS, max_batch_size=8, num_draft_tokens=2)
     server.http = httpx.Client(base_url=server.url, timeout=60)
     server.greedy_before = server.http.post("/v1/completions", json=GREEDY).json()["choices"][0]["text"]
     yield server
@@ -77,9 +76,8 @@ def bodies(draw, required: dict, optional: dict) -> dict:
     return body
 
 
-completion_body = bodies(
-    {"prompt": st.one_of(words, text, st.lists(text, min_size=1, max_size=3), token_ids, st.lists(token_ids, max_size=3))},
-    SHARED)
+prompts = st.one_of(words, text, st.lists(text, min_size=1, max_size=3), token_ids, st.lists(token_ids, max_size=3))
+completion_body = bodies({"prompt": prompts}, SHARED)
 chat_body = bodies({"messages": st.lists(message, max_size=3)},
                    {**SHARED, "max_completion_tokens": st.integers(1, 20)})
 raw = st.one_of(st.binary(max_size=40), st.just(b"[1, 2]"), st.just(b'"text"'), st.just(b"{"), st.just(b"null"),

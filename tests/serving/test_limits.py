@@ -15,17 +15,12 @@ from contextlib import contextmanager
 import httpx
 import psutil
 import pytest
-from serving_support import MODEL, save_pair, serve_tiny
+from serving_support import MODEL, serve_tiny
 
 from verispec.serving.config import ServerOptions
 
 LIMITS = ServerOptions(max_request_bytes=64 * 1024, max_choices=8, max_request_tokens=400, max_queued_tokens=500)
 SMALL = {"model": MODEL, "prompt": "hello world", "max_tokens": 8, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> tuple[str, str]:
-    return save_pair(tmp_path_factory.mktemp("limits-models"))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import logging
 import httpx
 import openai
 import pytest
-from serving_support import MODEL, save_pair, serve_tiny
+from serving_support import MODEL, serve_tiny
 
 from verispec.serving.config import (
     ServerOptions,
@@ -22,11 +22,6 @@ from verispec.serving.generation import Generation
 
 KEYS = ("key-one", "key-two")
 BODY = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> tuple[str, str]:
-    return save_pair(tmp_path_factory.mktemp("security-models"))
 
 
 @pytest.fixture(scope="module")

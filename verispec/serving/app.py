@@ -222,7 +222,8 @@ class Server:
             return Response(status_code=499)  # nobody reads it
         return _json(generation.full_response())
 
-    async def _stream(self, generation: Generation, watcher: asyncio.Task, request_id: str | None) -> AsyncIterator[str]:
+    async def _stream(self, generation: Generation, watcher: asyncio.Task,
+                      request_id: str | None) -> AsyncIterator[str]:
         try:
             if generation.params.chat:
                 for choice in generation.choices:

@@ -83,7 +83,8 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
         context = min(context, max_context)
     rows = max_rows_per_request or max(1, max_batch_size // 2)
     engine = Engine(decoder, max_batch_size=max_batch_size, max_rows_per_group=rows)
-    app = create_app(engine, tokenizer, model_name, context, eos_token_ids=eos_token_ids(tokenizer, decoder.target_model),
+    app = create_app(engine, tokenizer, model_name, context,
+                     eos_token_ids=eos_token_ids(tokenizer, decoder.target_model),
                      default_max_tokens=default_max_tokens, options=options)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(),
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S)

@@ -228,7 +228,8 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
     model: str | None = Field(None, description="Must be the served model's id if given.")
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices per prompt; prompts x n is capped by the server (--max-choices).")
+    n: int = Field(1, ge=1, le=MAX_CHOICES,
+                   description="Choices per prompt; prompts x n is capped by the server (--max-choices).")
     max_tokens: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Default: 16 for completions, the rest of the context for chat.")
     temperature: float = Field(1.0, ge=0, description="1.0 (sampling) by default, as in OpenAI's API; 0 is greedy.")
