@@ -81,7 +81,8 @@ DEFAULT_SUBSET = ("mpt", "gpt_neo", "phi3-longrope", "rwkv", "openai-gpt", "gpt2
 class Verdict:
     family: str
     status: str  # "exact", "refused", "exact, shorter requests" (a length limit with its reason) or "not built"
-    reason: str = ""
+    reason: str = ""  # one phrase per kind of reason: the README table groups families by it
+    detail: str = ""  # what exactly failed (printed by the command line, not tabulated)
 
 
 def families() -> list[str]:
@@ -123,7 +124,11 @@ def tiny_config(family: str):
 
 
 class NotBuilt(Exception):
-    """The family cannot be built and run offline at tiny sizes; the message says why."""
+    """The family cannot be built and run offline at tiny sizes; ``reason`` says why, ``detail`` the error."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason, self.detail = reason, detail
 
 
 def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -140,9 +145,9 @@ def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
     except NotBuilt:
         raise
     except ImportError as err:
-        raise NotBuilt("needs a package that is not installed") from err
+        raise NotBuilt("needs a package that is not installed", str(err).strip().splitlines()[0]) from err
     except Exception as err:
-        raise NotBuilt(f"tiny config rejected: {type(err).__name__}") from err
+        raise NotBuilt("the generic tiny config does not fit it", f"{type(err).__name__}: {err}"[:200]) from err
 
 
 def perturbed(model: transformers.PreTrainedModel, scale: float, seed: int = 1) -> transformers.PreTrainedModel:
@@ -243,14 +248,14 @@ def _run_family(family: str) -> Verdict:
         max_new_tokens = min(MAX_NEW_TOKENS, limit - max(PROMPT_LENGTHS)) if limit else MAX_NEW_TOKENS
         rows, references = _references(target, max_new_tokens)
     except NotBuilt as err:
-        return Verdict(family, "not built", str(err))
+        return Verdict(family, "not built", err.reason, err.detail)
     except Exception as err:  # the model's own forward cannot run on plain input ids
-        return Verdict(family, "not built", f"forward needs more than input ids: {type(err).__name__}")
+        return Verdict(family, "not built", "its forward needs more than input ids", f"{type(err).__name__}: {err}"[:200])
     draft = partial_draft(target, rows, references)
     try:
         decoders = {gamma: SpeculativeDecoder(target, draft, num_draft_tokens=gamma) for gamma in DRAFT_LENGTHS}
     except ValueError as err:  # a refusal; UnsupportedModelError says why in a table-sized phrase
-        return Verdict(family, "refused", getattr(err, "reason", str(err)))
+        return Verdict(family, "refused", getattr(err, "reason", str(err)), str(err))
     status, reason = "exact", ""
     if max_new_tokens < MAX_NEW_TOKENS:
         assert max_new_tokens > 0, f"{family}: a limit of {limit} positions leaves no room for the test prompts"
@@ -276,7 +281,7 @@ def verdict(family: str) -> Verdict:
 def render_table(verdicts: list[Verdict]) -> str:
     groups: dict[tuple[str, str], list[str]] = {}
     for v in verdicts:
-        groups.setdefault((v.status, _short(v.reason)), []).append(v.family)
+        groups.setdefault((v.status, table_reason(v.reason)), []).append(v.family)
     order = {"exact": 0, "exact, shorter requests": 1, "refused": 2, "not built": 3}
     lines = ["| verdict | why | families |", "|---|---|---|"]
     for (status, reason), names in sorted(groups.items(), key=lambda item: (order[item[0][0]], item[0][1])):
@@ -284,7 +289,7 @@ def render_table(verdicts: list[Verdict]) -> str:
     return "\n".join(lines)
 
 
-def _short(reason: str) -> str:
+def table_reason(reason: str) -> str:
     """The reason as a table cell: without the sizes of the tiny config or what transformers does."""
     return re.sub(r"=\d+| \(transformers [^)]*\)", "", reason)
 
@@ -326,7 +331,8 @@ def main(argv: list[str]) -> int:
             print(f"{name}: FAILED: {type(err).__name__}: {err}", flush=True)
             continue
         verdicts.append(v)
-        print(f"{name}: {v.status}{': ' + v.reason if v.reason else ''}", flush=True)
+        print(f"{name}: {v.status}{': ' + v.reason if v.reason else ''}{' [' + v.detail + ']' if v.detail else ''}",
+              flush=True)
     table = render_table(verdicts)
     if failures:
         print(f"{failures} families failed; the table was not written", file=sys.stderr)
