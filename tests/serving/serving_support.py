@@ -15,9 +15,10 @@ from typing import Any
 
 import httpx
 
-WORDS = ["<unk>", "<s>", "</s>"] + (
-    "def return x y z ( ) : + - * 1 2 3 if else for in print hello world user assistant system the a cat dog"
-).split()
+WORDS = ["<unk>", "<s>", "</s>"] + [
+    "def", "return", "x", "y", "z", "(", ")", ":", "+", "-", "*", "1", "2", "3", "if", "else", "for", "in", "print",
+    "hello", "world", "user", "assistant", "system", "the", "a", "cat", "dog",
+]
 EOS = 2
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
@@ -82,17 +83,25 @@ def save_pair(root: Path, max_positions: int = 128, eos: bool = True) -> tuple[s
     return str(root / "target"), str(root / "draft")
 
 
-def wait_healthy(url: str, timeout: float = 60.0) -> None:
+def wait_until(condition: Callable[[], bool], timeout: float = 30.0, what: str = "the state waited for") -> None:
+    """Poll ``condition``, a state that another thread or process changes, until it holds."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+    while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"server at {url} not healthy after {timeout} s")
-        time.sleep(0.05)
+            raise TimeoutError(f"{what}: not reached after {timeout} s")
+        time.sleep(0.005)
+
+
+def status(url: str) -> int | None:
+    """The HTTP status of ``GET url``, or None while nothing answers there."""
+    try:
+        return httpx.get(url, timeout=1.0).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def wait_healthy(url: str, timeout: float = 60.0) -> None:
+    wait_until(lambda: status(f"{url}/health") == 200, timeout, f"the server at {url} healthy")
 
 
 class LiveServer:
@@ -158,15 +167,13 @@ def expected_tokens(text: str, finish_reason: str, stop_reason) -> int:
 def idle(live, timeout: float = 15.0) -> dict:
     """Wait until every engine request the server submitted has finished and the engine's batch is empty;
     return the engine's metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def quiet() -> bool:
         metrics = live.engine.metrics()
-        in_flight = live.app.state.verispec.in_flight
-        if in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0:
-            return metrics
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout} s: {in_flight} in flight, engine {metrics}")
-        time.sleep(0.02)
+        return live.app.state.verispec.in_flight == 0 and metrics["running"] == 0 and metrics["waiting"] == 0
+
+    wait_until(quiet, timeout, "no request in flight and an empty batch")
+    return live.engine.metrics()
 
 
 @dataclass

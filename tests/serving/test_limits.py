@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import httpx
 import psutil
 import pytest
-from serving_support import MODEL, serve_tiny
+from serving_support import MODEL, serve_tiny, wait_until
 
 from verispec.serving.config import ServerOptions
 
@@ -36,14 +36,6 @@ def _error(response: httpx.Response, status: int) -> dict:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return error
-
-
-def _wait(condition, timeout: float = 30.0) -> None:
-    """Wait for a state of the server (polled: it changes on other threads)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the server never reached the state waited for"
-        time.sleep(0.005)
 
 
 @contextmanager
@@ -147,7 +139,7 @@ def test_queued_work_over_the_bound_gets_429_with_retry_after(limited) -> None:
         holder = threading.Thread(target=lambda: results.append(
             httpx.post(f"{limited.url}/v1/completions", json=big, timeout=60)))
         holder.start()
-        _wait(lambda: admission.queued_tokens == 400)
+        wait_until(lambda: admission.queued_tokens == 400)
         refused = httpx.post(f"{limited.url}/v1/completions", json={**SMALL, "n": 4, "max_tokens": 30})
         error = _error(refused, 429)
         assert error["code"] == "rate_limit_exceeded" and "500 tokens" in error["message"]
@@ -155,13 +147,13 @@ def test_queued_work_over_the_bound_gets_429_with_retry_after(limited) -> None:
         small = threading.Thread(target=lambda: results.append(  # 8 more tokens still fit
             httpx.post(f"{limited.url}/v1/completions", json=SMALL, timeout=60)))
         small.start()
-        _wait(lambda: admission.queued_tokens == 408)
+        wait_until(lambda: admission.queued_tokens == 408)
         release.set()
         holder.join()
         small.join()
     assert [r.status_code for r in results] == [200, 200]
     assert all(c["finish_reason"] in ("stop", "length") for r in results for c in r.json()["choices"])
-    _wait(lambda: admission.queued_tokens == 0 and admission.in_flight == 0)
+    wait_until(lambda: admission.queued_tokens == 0 and admission.in_flight == 0)
     assert httpx.post(f"{limited.url}/v1/completions", json={**SMALL, "n": 4, "max_tokens": 30}).status_code == 200
 
 
@@ -177,7 +169,7 @@ def test_a_flood_of_requests_is_refused_not_queued(limited) -> None:
         limits = httpx.Limits(max_connections=200)
         async with httpx.AsyncClient(base_url=limited.url, timeout=60, limits=limits) as client:
             tasks = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(200)]
-            await asyncio.to_thread(_wait, lambda: admission.queued_tokens == 31 * 16
+            await asyncio.to_thread(wait_until, lambda: admission.queued_tokens == 31 * 16
                                     and sum(t.done() for t in tasks) == 200 - 31)
             refused = [t.result() for t in tasks if t.done()]
             assert all(r.status_code == 429 and r.headers["retry-after"] for r in refused)
@@ -190,7 +182,7 @@ def test_a_flood_of_requests_is_refused_not_queued(limited) -> None:
     assert all(c["finish_reason"] in ("stop", "length") for r in responses if r.status_code == 200
                for c in r.json()["choices"])
     assert process.memory_info().rss - rss_before < 64 * 2**20
-    _wait(lambda: admission.in_flight == 0)
+    wait_until(lambda: admission.in_flight == 0)
 
 
 # ------------------------------------------------------------------------------------------ starvation

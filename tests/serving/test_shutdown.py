@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving_support import save_pair, wait_healthy
+from serving_support import save_pair, status, wait_healthy, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG = 8000  # tokens: minutes of work for the tiny model, cut by the signals long before
@@ -58,9 +58,7 @@ class ServeProcess:
 
     def wait_draining(self) -> None:
         """Until /health says 503 (the signal has been handled)."""
-        deadline = time.monotonic() + 30
-        while httpx.get(f"{self.url}/health").status_code != 503:
-            assert time.monotonic() < deadline, "the server never started draining"
+        wait_until(lambda: status(f"{self.url}/health") == 503, what="/health answering 503 (draining)")
 
     @property
     def log(self) -> str:
@@ -129,9 +127,8 @@ def test_sigterm_ends_every_request_at_the_deadline_and_exits(long_model_dirs, t
         ]
         for client in clients[:3]:
             assert client.first_event.wait(60)
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{server.url}/health").json()["requests_in_flight"] < 5:  # the last one admitted too
-            assert time.monotonic() < deadline
+        wait_until(lambda: httpx.get(f"{server.url}/health").json()["requests_in_flight"] == 5,
+                   what="every choice admitted")  # the request that is not streamed too
         signalled = server.signal(signal.SIGTERM)
         server.wait_draining()
         refused = httpx.post(f"{server.url}/v1/completions", json=_completion(4))

@@ -129,15 +129,17 @@ def _passed_through(error: ValidationError) -> PydanticCustomError | None:
     return None
 
 
-def _one_error(message: str, range_message: str | None = None) -> WrapValidator:
+def _one_error(message: str, range_message: str | None = None,
+               refine: Callable[[Any], PydanticCustomError | None] | None = None) -> WrapValidator:
     """Any validation error of the field becomes one readable error (a union's errors would name every branch
-    it tried); ``range_message`` is used instead when a number was out of its range."""
+    it tried); an error about the field's own text is kept, ``refine(value)`` may name a more precise one, and
+    ``range_message`` is used when a number was out of its range."""
 
     def validate(value: Any, handler: Callable[[Any], Any]) -> Any:
         try:
             return handler(value)
         except ValidationError as error:
-            if (own := _passed_through(error)) is not None:
+            if (own := _passed_through(error) or (refine and refine(value))) is not None:
                 raise own from None
             kinds = {e["type"] for e in error.errors()}
             if range_message and kinds & {"greater_than_equal", "less_than_equal"}:
@@ -170,16 +172,10 @@ Prompt = Annotated[
 Stop = Annotated[Text | list[Text], _one_error("'stop' must be a string or a list of strings")]
 
 
-def _content_error(value: Any, handler: Callable[[Any], Any]) -> Any:
-    try:
-        return handler(value)
-    except ValidationError as error:
-        if (own := _passed_through(error)) is not None:
-            raise own from None
-        if isinstance(value, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
-            raise PydanticCustomError("unsupported_content", "only text content parts are supported") from None
-        raise PydanticCustomError("invalid_type", "a message's content must be a string or a list of text "
-                                  "parts") from None
+def _unsupported_parts(value: Any) -> PydanticCustomError | None:
+    if isinstance(value, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
+        return PydanticCustomError("unsupported_content", "only text content parts are supported")
+    return None
 
 
 class TextPart(BaseModel):
@@ -316,7 +312,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     role: Text
-    content: Annotated[Text | list[TextPart] | None, WrapValidator(_content_error)] = Field(
+    content: Annotated[Text | list[TextPart] | None,
+                       _one_error("a message's content must be a string or a list of text parts",
+                                  refine=_unsupported_parts)] = Field(
         None, description="Text, or a list of text parts.")
 
     @property
