@@ -13,7 +13,9 @@ import torch
 
 from verispec.cli import build_parser, main
 
-WORDS = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print hello world".split()
+WORDS = ["<unk>", "<s>", "</s>"] + [
+    "def", "return", "x", "y", "(", ")", ":", "+", "-", "1", "2", "if", "else", "for", "in", "print", "hello", "world",
+]
 
 
 def _save_model(folder: Path, words: list[str], seed: int) -> Path:
@@ -135,3 +137,27 @@ def test_version_and_help(capsys) -> None:
         main(["--version"])
     assert info.value.code == 0 and "verispec" in capsys.readouterr().out
     assert main([]) == 0 and "generate" in capsys.readouterr().out
+
+
+def test_serve_options_are_checked_before_the_models_load(tmp_path, capsys, monkeypatch) -> None:
+    """Wrong limits or an unreadable key file fail at once, in one line, without loading anything."""
+    monkeypatch.delenv("VERISPEC_API_KEY", raising=False)
+    for argv, message in [
+        (["--max-queued-tokens", "10", "--max-request-tokens", "100"], "max_queued_tokens"),
+        (["--max-choices", "0"], "max_choices"),
+        (["--api-key-file", str(tmp_path / "missing")], "cannot read the API key file"),
+        (["--api-key", "two words"], "printable ASCII"),
+        (["--shutdown-timeout", "-1"], "shutdown_timeout"),
+    ]:
+        code, _, err = run(capsys, "serve", "--target", "/no/such/model", *argv)
+        assert code == 2 and message in err and "does not exist" not in err, err
+
+
+def test_serve_flags(monkeypatch) -> None:
+    args = build_parser().parse_args(["serve", "--api-key", "a", "--api-key", "b", "--allowed-hosts", "x.org,y.org",
+                                      "--metrics-public", "--docs", "--max-rows-per-request", "3"])
+    assert args.api_key == ["a", "b"] and args.allowed_hosts == ["x.org,y.org"] and args.metrics_public and args.docs
+    assert args.max_rows_per_request == 3
+    defaults = build_parser().parse_args(["serve"])
+    assert (defaults.max_request_bytes, defaults.max_choices, defaults.shutdown_timeout) == (2**20, 32, 30.0)
+    assert not defaults.docs and not defaults.metrics_public and defaults.model_name is None

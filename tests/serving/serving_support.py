@@ -129,7 +129,8 @@ class LiveServer:
 def serve_tiny(model_dirs: tuple[str, str], *, options=None, max_batch_size: int = 16,
                max_rows_per_group: int | None = None, **decoder_options) -> LiveServer:
     """The app over an engine over the tiny pair (``decoder_options``: ``SpeculativeDecoder``'s), served;
-    ``options``: the app's ``ServerOptions``."""
+    ``options``: the app's ``ServerOptions``; one request's choices hold half the batch by default, as in
+    ``verispec serve``."""
     import openai
 
     from verispec.models import load
@@ -138,7 +139,8 @@ def serve_tiny(model_dirs: tuple[str, str], *, options=None, max_batch_size: int
 
     target, draft = model_dirs
     decoder, tokenizer = load(target, draft, fast=False, **decoder_options)
-    engine = Engine(decoder, max_batch_size=max_batch_size, max_rows_per_group=max_rows_per_group)
+    engine = Engine(decoder, max_batch_size=max_batch_size,
+                    max_rows_per_group=max_rows_per_group or max(1, max_batch_size // 2))
     engine.start()
     app = create_app(engine, tokenizer, MODEL, max_context=decoder.max_positions, eos_token_ids=[EOS],
                      options=options)
