@@ -163,11 +163,11 @@ def test_draining_lets_requests_finish_and_a_second_signal_exits_at_once(long_mo
         assert short.finish_reasons() == {0: "length"}  # in flight at the signal: it finished normally
         assert server.process.poll() is None  # the long request still runs, within its 60 s
         signalled = server.signal(signal.SIGINT)
-        server.process.wait(timeout=30)
+        assert server.process.wait(timeout=30) == 1  # cut short
         took = time.monotonic() - signalled
     finally:
         server.kill()
     print(f"\nexited {took:.2f} s after the second signal")
-    assert took < 3.0
+    assert took < 1.0
     long.join(timeout=30)
     assert not long.is_alive()  # the client was not left hanging

@@ -72,8 +72,9 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
           max_batch_size: int = 32, max_rows_per_request: int | None = None, max_context: int | None = None,
           default_max_tokens: int | None = None, options: ServerOptions | None = None, log_level: str = "info",
           say: Callable[[str], None] | None = None) -> int:
-    """Serve ``decoder`` over HTTP until a signal ends it (``verispec serve`` after loading the models).
-    ``max_rows_per_request``: the most batch slots one HTTP request's choices hold (default: half the batch)."""
+    """Serve ``decoder`` over HTTP until a signal ends it (``verispec serve`` after loading the models); returns
+    0, or 1 when a second signal cut the shutdown short. ``max_rows_per_request``: the most batch slots one HTTP
+    request's choices hold (default: half the batch)."""
     options = options or ServerOptions()
     say = say or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
     context = decoder.max_positions or max_context
@@ -98,4 +99,4 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
         server.run()
     finally:
         engine.shutdown(timeout=0 if server.force_exit else FLUSH_TIMEOUT_S)
-    return 0
+    return 1 if server.force_exit else 0
