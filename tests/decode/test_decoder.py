@@ -160,3 +160,13 @@ def test_a_raising_token_callback_propagates_and_gives_the_drafter_back(decoder)
     finally:
         del decoder.drafter.propose
     assert used
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-9, 9.9e-6])
+def test_temperatures_that_would_underflow_are_greedy(decoder, temperature: float) -> None:
+    # 1e-300 used to end the request with "the target produced NaN": logits / T overflowed float32.
+    ids = prompt(5, seed=3)
+    greedy = decoder.generate([ids], max_new_tokens=12)
+    tiny = decoder.generate([ids], max_new_tokens=12, temperature=temperature, seed=1)
+    assert tiny.tokens == greedy.tokens
+    assert tiny.finish_reasons == ["length"]

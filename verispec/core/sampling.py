@@ -14,9 +14,16 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures below this are greedy, as in vLLM: dividing logits by less overflows float32 (1e-300 gives
+# inf / NaN probabilities), and at such temperatures sampling is argmax unless the top two logits are equal
+# to within ~1e-5 * log(vocab), i.e. an exact tie that rounding decides anyway.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How tokens are chosen. ``temperature == 0`` means greedy (argmax), never a division by zero."""
+    """How tokens are chosen. ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy (argmax),
+    never a division by zero or an overflow."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -36,7 +43,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

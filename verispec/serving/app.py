@@ -46,6 +46,7 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
+from ..core.sampling import GREEDY_BELOW
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
@@ -77,7 +78,6 @@ _ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models",
 _HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}  # 400: FastAPI could not read it
 _default_eos_ids = eos_token_ids  # create_app's keyword argument of the same name hides the function
 log = logging.getLogger("verispec.serving")
-GREEDY_BELOW = 1e-5  # temperatures below this are greedy (as vLLM does): dividing logits by less can overflow
 
 
 class Server:
