@@ -30,6 +30,7 @@ caps such models at the switch, so requests that would cross it are refused up f
 
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -38,13 +39,13 @@ import torch
 from transformers import PreTrainedModel
 
 # Logits that should be equal differ by rounding: a two-token pass over a cache rounds differently from one
-# pass over all tokens, and kernels that cast activations to bf16 (int4 drafts) or quantise them with a scale
-# taken over the whole batch (dynamic int8) magnify that: 1% of the largest logit for Qwen2.5-0.5B in int4,
-# 65% in int8. The probe measures this noise on the model itself (a row beside another vs alone; a row
-# decoded through the cache vs in one pass) and fails a property only when its difference exceeds NOISE_FACTOR times the noise and
-# TOLERANCE_FLOOR, both as fractions of the largest logit. In float32 the noise is about 1e-6; the faults
-# found on tiny random models differ by 1e-2 (a bidirectional model) to 1 (a model ignoring its cache).
-# A model as noisy as an int8 one is judged only on gross faults; it is fit to draft, not to be a target.
+# pass over all tokens, masked slots change the order of sums, and kernels that cast activations to bf16
+# (int4 drafts) or quantise them with a scale taken over the whole batch (dynamic int8) magnify that: 1% of
+# the largest logit for Qwen2.5-Coder-0.5B in int4, 65% in int8. The probe measures this noise on the model
+# itself (see `_run_probe`) and fails a property only when its difference exceeds NOISE_FACTOR times the
+# noise and TOLERANCE_FLOOR, both as fractions of the largest logit. In float32 the noise is about 1e-6; the
+# faults found on tiny random models differ by 1e-2 (a bidirectional model) to 1 (a model ignoring its
+# cache). A model as noisy as an int8 one is judged only on gross faults: fit to draft, not to be a target.
 TOLERANCE_FLOOR = 1e-3
 NOISE_FACTOR = 10.0
 
@@ -55,6 +56,7 @@ MIN_HOLE = 8
 MAX_HOLE = 4096
 
 # Reasons, short enough for a table; the error message adds what was measured.
+NEEDS_MORE_INPUTS = "its forward fails on input ids alone"
 FORWARD_FAILS = "its forward fails when given a KV cache"
 NO_CACHE_STATE = "it ignores the KV cache it is given (its state travels elsewhere)"
 POSITIONS_DIFFER = "position ids 0, 1, 2, ... change its logits: it numbers positions its own way"
@@ -170,124 +172,151 @@ def _probe_tokens(model: PreTrainedModel, count: int) -> list[int]:
     raise ValueError(f"vocabulary of {size} ids is too small to probe")
 
 
+def _describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+
+
 def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute difference as a fraction of the largest logit (NaN counts as a total mismatch)."""
     scale = want.abs().max().clamp(min=1e-6)
     diff = ((got - want).abs().max() / scale).item()
-    return diff if diff == diff else float("inf")
+    return float("inf") if math.isnan(diff) else diff
 
 
 @torch.inference_mode()
 def probe(model: PreTrainedModel) -> ProbeResult:
-    """Run the model on six tokens by its own forward and through verispec's cache (one pass; four then two
-    tokens; three rows with left padding, far positions, a per-row rollback and inserted holes) and compare
-    the logits.
+    """Run the model on six tokens by its own forward and through verispec's cache (one pass; beside another
+    row; four then two tokens; three rows with left padding, far positions, a per-row rollback and inserted
+    holes) and compare the logits.
 
     Deterministic (fixed token ids, no randomness) and side-effect free: runs in inference mode with the model
-    in eval mode (restored after), on a cache of its own. Cost: eight forward passes of at most three rows of
-    six tokens, the last over up to ``MAX_HOLE`` inserted masked slots: about eight decode steps of the model.
+    in eval mode (restored after), on caches of its own; a hook scaling the input embeddings for one pass is
+    removed after it. Cost: eight forward passes of at most three rows of six tokens, the last over up to
+    ``MAX_HOLE`` inserted masked slots: about eight to ten decode steps of the model.
     """
-    from .cache import CachedLM
-
     result = ProbeResult()
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     try:
-        _run_probe(model, result, CachedLM)
-    except Exception as err:  # any failure inside the model's forward: the model cannot run this way
-        result.reason = FORWARD_FAILS
-        result.detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        _Probe(model, result).run()
+    except Exception as err:  # noqa: BLE001 - any failure inside the model's forward: it cannot run this way
+        result.reason, result.detail = FORWARD_FAILS, _describe(err)
     finally:
         model.train(was_training)
         result.seconds = time.perf_counter() - start
     return result
 
 
-def _run_probe(model: PreTrainedModel, result: ProbeResult, CachedLM) -> None:  # noqa: N803
-    limit, _ = position_limit(model)
-    n = 6
-    t = _probe_tokens(model, n + 3)
-    tokens, junk, pad = t[:n], t[n : n + 2], t[n + 2]
-    far = limit - n if limit is not None and limit >= 2 * n else 0  # row 2 sits at the end of the range
-    lm = CachedLM(model, check=False)
+class _Probe:
+    """One probe of one model: six ordinary tokens (and junk and padding ids) through a cache of its own."""
 
-    def step(ids: list[list[int]], mask: list[list[bool]] | None, positions: list[list[int]]) -> torch.Tensor:
-        """One pass of ``lm``: logits ``[B, len, V]``."""
-        result.forward_passes += 1
+    n = 6
+
+    def __init__(self, model: PreTrainedModel, result: ProbeResult) -> None:
+        from .cache import CachedLM  # the adapter under test; it imports this module to check models
+
+        self.model, self.result = model, result
+        self.limit = position_limit(model)[0]
+        ids = _probe_tokens(model, self.n + 3)
+        self.tokens, self.junk, self.pad = ids[: self.n], ids[self.n : self.n + 2], ids[self.n + 2]
+        self.lm = CachedLM(model, check=False)
+
+    def step(self, ids: list[list[int]], mask: list[list[bool]] | None, positions: list[list[int]]) -> torch.Tensor:
+        """One pass through the probe's cache: logits ``[B, len, V]``."""
+        self.result.forward_passes += 1
         ids = torch.tensor(ids)
         mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else torch.tensor(mask)
-        return lm.forward(ids, mask, torch.tensor(positions))
+        return self.lm.forward(ids, mask, torch.tensor(positions))
 
-    # The references: the six tokens by the model's own forward (no cache, mask or position ids), and in one
-    # pass through a fresh cache with positions 0..5.
-    result.forward_passes += 1
-    own = model(input_ids=torch.tensor([tokens], device=lm.device), use_cache=False).logits[0].float()  # [n, V]
-    lm.reset(1)
-    want = step([tokens], None, [list(range(n))])[0]  # [n, V]
-    if not (torch.isfinite(want).all() and torch.isfinite(own).all()):
-        result.detail = "not judged: the model's own logits are not finite"  # decoding reports them itself
-        return
+    def run(self) -> None:
+        n, tokens = self.n, self.tokens
+        # The references: the six tokens by the model's own forward (no cache, mask or position ids), and in
+        # one pass through a fresh cache with positions 0..5.
+        self.result.forward_passes += 1
+        try:
+            own = self.model(input_ids=torch.tensor([tokens], device=self.lm.device), use_cache=False).logits[0]
+        except Exception as err:  # noqa: BLE001 - not a cache problem: the model cannot run on input ids alone
+            self.result.reason, self.result.detail = NEEDS_MORE_INPUTS, _describe(err)
+            return
+        self.lm.reset(1)
+        want = self.step([tokens], None, [list(range(n))])[0]  # [n, V]
+        if not (torch.isfinite(want).all() and torch.isfinite(own).all()):
+            self.result.detail = "not judged: the model's own logits are not finite"  # decoding reports them
+            return
+        noise_across, noise_along, first, stored = self.noise(want)
+        prefill, block, final = self.batch()
+        structural = [  # judged against the noise across rows alone
+            (NO_CACHE_STATE, 0.0 if stored == n else float("inf"), f"its cache holds {stored} of {n} slots"),
+            (POSITIONS_DIFFER, _difference(want, own.float()), ""),
+            (NOT_CAUSAL, _difference(first, want[:4]), ""),
+        ]
+        cached = [  # judged against all the noise
+            (ROWS_INTERACT, _difference(prefill[0], want[:4]), ""),
+            (PADDING_CHANGES, _difference(prefill[1, 2:], want[:2]), ""),
+            (CACHE_DIFFERS, _difference(block[1], want[2:4]), ""),
+            (SLOT_DEPENDENT, max(_difference(final[0], want[4:]), _difference(final[1], want[4:])), ""),
+        ]
+        if self.judge(structural, noise_across):
+            self.judge(cached, max(noise_across, noise_along))
 
-    # Rounding noise, measured twice on the model itself, on the six tokens as row 1 beside a left-padded
-    # row 0 (other tokens): no padding, hole or position of its own can change row 1's logits. Across rows,
-    # in one pass: its tokens sit at other rows of every matrix product (dynamic int8 quantisation rounds a
-    # row by a scale taken over the whole batch), and its input embeddings are scaled by 1 + 2**-20, a few
-    # float32 roundings, to show how far the model carries a rounding difference (kernels that cast
-    # activations to bf16, as int4 drafts do, turn the tiny differences of masked attention into 1% of the
-    # logits). Along the cache: decoded four tokens then two, which is only rounding once the model is known
-    # to be causal, so it counts only after that check.
-    other = tokens[::-1]
-    padded, plain = [False, False] + [True] * 4, [True] * n
-    lm.reset(2)
-    embeddings = model.get_input_embeddings()
-    hook = None if embeddings is None else embeddings.register_forward_hook(
-        lambda module, inputs, output: output * (1 + 2**-20) if isinstance(output, torch.Tensor) else output)
-    try:
-        beside = step([[pad, pad] + other[:4], tokens], [padded, plain], [[0, 0, 0, 1, 2, 3], list(range(n))])[1]
-    finally:
-        if hook is not None:
-            hook.remove()
-    noise_across = _difference(beside, want)
-    lm.reset(2)
-    first = step([[pad, pad] + other[:2], tokens[:4]], [padded[:4], plain[:4]], [[0, 0, 0, 1], [0, 1, 2, 3]])[1]
-    second = step([other[2:4], tokens[4:]], None, [[2, 3], [4, 5]])[1]
-    stored = lm.cache.get_seq_length()
-    noise_along = _difference(second, want[4:])
+    def noise(self, want: torch.Tensor) -> tuple[float, float, torch.Tensor, int]:
+        """Rounding noise, measured twice on the six tokens as row 1 beside a left-padded row 0 (other tokens):
+        no padding, hole or position of its own can change row 1's logits.
 
-    # Three rows: row 0 plain; row 1 left-padded by two; row 2 the same tokens at the end of the position
-    # range, there only to show whether one row's positions change another row's logits.
-    lm.reset(3)
-    prefill = step([tokens[:4], [pad, pad] + tokens[:2], tokens[:4]],
-                   [[True] * 4, [False, False, True, True], [True] * 4],
-                   [[0, 1, 2, 3], [0, 0, 0, 1], [far, far + 1, far + 2, far + 3]])
-    # One block: rows 0 and 2 get two drafts that will be rejected, row 1 its next two tokens, kept.
-    block = step([junk, tokens[2:4], junk], None, [[4, 5], [2, 3], [far + 4, far + 5]])
-    lm.rollback([0, 2, 0], 2)  # rows 0 and 2: their drafts become holes in the shared cache
-    lm.append_holes(_hole_size(model, limit))  # and a wider hole for every row
-    final = step([tokens[4:]] * 3, None, [[4, 5], [4, 5], [far + 4, far + 5]])
+        Across rows, in one pass: its tokens sit at other rows of every matrix product (dynamic int8
+        quantisation rounds a row by a scale taken over the whole batch), and its input embeddings are scaled
+        by 1 + 2**-20, a few float32 roundings, to show how far the model carries a rounding difference
+        (kernels that cast activations to bf16, as int4 drafts do, turn the tiny differences of masked
+        attention into 1% of the logits). Along the cache: decoded four tokens then two, which is rounding
+        only once the model is known to be causal. Also returns the four-token logits and the slots cached.
+        """
+        n, tokens, pad, other = self.n, self.tokens, self.pad, self.tokens[::-1]
+        padded, plain = [False, False] + [True] * 4, [True] * n
+        self.lm.reset(2)
+        embeddings = self.model.get_input_embeddings()
+        hook = None if embeddings is None else embeddings.register_forward_hook(
+            lambda module, inputs, output: output * (1 + 2**-20) if isinstance(output, torch.Tensor) else output)
+        try:
+            beside = self.step([[pad, pad] + other[:4], tokens], [padded, plain],
+                               [[0, 0, 0, 1, 2, 3], list(range(n))])[1]
+        finally:
+            if hook is not None:
+                hook.remove()
+        self.lm.reset(2)
+        first = self.step([[pad, pad] + other[:2], tokens[:4]], [padded[:4], plain[:4]],
+                          [[0, 0, 0, 1], [0, 1, 2, 3]])[1]
+        second = self.step([other[2:4], tokens[4:]], None, [[2, 3], [4, 5]])[1]
+        return _difference(beside, want), _difference(second, want[4:]), first, self.lm.cache.get_seq_length()
 
-    structural = [  # judged against the noise across rows alone
-        (NO_CACHE_STATE, 0.0 if stored == n else float("inf"), f"its cache holds {stored} of {n} slots"),
-        (POSITIONS_DIFFER, _difference(want, own), ""),
-        (NOT_CAUSAL, _difference(first, want[:4]), ""),
-    ]
-    cached = [  # judged against all the noise
-        (ROWS_INTERACT, _difference(prefill[0], want[:4]), ""),
-        (PADDING_CHANGES, _difference(prefill[1, 2:], want[:2]), ""),
-        (CACHE_DIFFERS, _difference(block[1], want[2:4]), ""),
-        (SLOT_DEPENDENT, max(_difference(final[0], want[4:]), _difference(final[1], want[4:])), ""),
-    ]
-    for checks, noise in ((structural, noise_across), (cached, max(noise_across, noise_along))):
-        result.noise = noise
-        result.tolerance = max(TOLERANCE_FLOOR, NOISE_FACTOR * noise)
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Three rows through one cache: row 0 plain; row 1 left-padded by two; row 2 the same tokens at the end
+        of the position range, there only to show whether one row's positions change another's logits. A
+        prefill, a block whose drafts rows 0 and 2 reject (holes), inserted holes, then the last two tokens."""
+        tokens, junk, pad = self.tokens, self.junk, self.pad
+        far = self.limit - self.n if self.limit is not None and self.limit >= 2 * self.n else 0
+        self.lm.reset(3)
+        prefill = self.step([tokens[:4], [pad, pad] + tokens[:2], tokens[:4]],
+                            [[True] * 4, [False, False, True, True], [True] * 4],
+                            [[0, 1, 2, 3], [0, 0, 0, 1], [far, far + 1, far + 2, far + 3]])
+        block = self.step([junk, tokens[2:4], junk], None, [[4, 5], [2, 3], [far + 4, far + 5]])
+        self.lm.rollback([0, 2, 0], 2)  # rows 0 and 2: their drafts become holes in the shared cache
+        self.lm.append_holes(_hole_size(self.model, self.limit))  # and a wider hole for every row
+        final = self.step([tokens[4:]] * 3, None, [[4, 5], [4, 5], [far + 4, far + 5]])
+        return prefill, block, final
+
+    def judge(self, checks: list[tuple[str, float, str]], noise: float) -> bool:
+        """Record the differences; fail on the first beyond the tolerance for ``noise``. True if none did."""
+        result = self.result
+        result.noise, result.tolerance = noise, max(TOLERANCE_FLOOR, NOISE_FACTOR * noise)
         for reason, difference, detail in checks:
             result.differences[reason] = difference
             if difference > result.tolerance:
                 result.reason = reason
                 result.detail = detail or (f"logits differed by {difference:.3g} of their largest value, beyond "
                                            f"the tolerance of {result.tolerance:.3g} for its rounding")
-                return
+                return False
+        return True
 
 
 # Verdicts per model object, with what they depend on (layer count: early-exit drafts probe a truncated model;
