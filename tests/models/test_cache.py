@@ -181,7 +181,7 @@ def test_longrope_models_are_capped_at_the_switch() -> None:
     limit, reason = capability.position_limit(target)
     assert limit == 16 and "original_max_position_embeddings=16" in reason
     decoder = SpeculativeDecoder(target, families.build("phi3-longrope", seed=1), num_draft_tokens=3)
-    with pytest.raises(ValueError, match=r"maximum length \(16\)"):
+    with pytest.raises(ValueError, match=r"maximum length \(16\): .*longrope.*original_max_position_embeddings=16"):
         decoder.generate([prompt(9, 1, VOCAB_FAMILIES)], max_new_tokens=8)
     rows = [prompt(9, 1, VOCAB_FAMILIES), prompt(4, 2, VOCAB_FAMILIES)]
     out = decoder.generate(rows, max_new_tokens=7)  # 9 + 7 = 16: up to the switch, never across it

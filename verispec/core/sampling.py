@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Temperatures below this are greedy, as in vLLM: dividing logits by less overflows float32 (1e-300 gives
 # inf / NaN probabilities), and at such temperatures sampling is argmax unless the top two logits are equal
 # to within ~1e-5 * log(vocab), i.e. an exact tie that rounding decides anyway.

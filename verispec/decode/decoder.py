@@ -27,7 +27,8 @@ from transformers import PreTrainedModel
 
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
-from ..models.cache import CachedLM, max_positions, model_device, model_vocab_size
+from ..models.cache import CachedLM, model_device, model_vocab_size
+from ..models.capability import position_limit
 from ..policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, make_gamma_policy
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, sync
@@ -157,18 +158,19 @@ class SpeculativeDecoder:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
         target_vocab = model_vocab_size(self.target_model)
         input_limit = self.target_model.get_input_embeddings().weight.shape[0]
-        positions = max_positions(self.target_model)
+        positions, reason = position_limit(self.target_model)
         if draft_model is None:
-            return ModelLimits(shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg), input_limit, positions)
+            vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
+            return ModelLimits(vocab, input_limit, positions, reason)
         draft_device = model_device(draft_model)
         if draft_device != self.device:
             raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
         vocab = shared_vocab_size(target_vocab, model_vocab_size(draft_model), self._vocab_size_arg)
-        draft_positions = max_positions(draft_model)
-        if draft_positions is not None:
-            positions = min(positions or draft_positions, draft_positions)
+        draft_positions, draft_reason = position_limit(draft_model)
+        if draft_positions is not None and (positions is None or draft_positions < positions):
+            positions, reason = draft_positions, draft_reason and f"the draft: {draft_reason}"
         input_limit = min(input_limit, draft_model.get_input_embeddings().weight.shape[0])
-        return ModelLimits(vocab, input_limit, positions)
+        return ModelLimits(vocab, input_limit, positions, reason)
 
     def _auto_for(self, draft: object) -> CostModelGamma:
         """The cost model for ``draft`` (a call's ``draft`` argument): the decoder's own for its own draft."""

@@ -28,6 +28,7 @@ class ModelLimits:
     vocab_size: int  # real token ids: what may be emitted, and named as EOS
     input_limit: int  # ids every model's input embeddings accept
     max_positions: int | None  # the longest sequence every model's positions cover, if known
+    max_positions_reason: str | None = None  # why, when it is not simply the position table's size
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ def validate_request(
         raise ValueError(
             f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "
             f"maximum length ({limits.max_positions})"
+            + (f": {limits.max_positions_reason}" if limits.max_positions_reason else "")
         )
     seeded = seed is not None
     if seed is None and not sampling.greedy:
