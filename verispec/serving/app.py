@@ -46,7 +46,6 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from .. import __version__
-from ..core.sampling import GREEDY_BELOW
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
@@ -142,7 +141,7 @@ class Server:
         options = body.stream_options
         return Params(
             chat=chat, prompts=prompts, max_tokens=max_tokens,
-            temperature=0.0 if body.temperature < GREEDY_BELOW else body.temperature,
+            temperature=body.temperature,  # SamplingParams treats tiny temperatures as greedy
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
