@@ -31,11 +31,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from costs import time_forward  # noqa: E402
 
-from verispec import SpeculativeDecoder, zoo  # noqa: E402
-from verispec.models.fast import prepack_linears, quantize_draft, shared_copy  # noqa: E402
+import verispec  # noqa: E402
+from verispec import zoo  # noqa: E402
 from verispec.policy import expected_tokens, expected_tokens_by_position  # noqa: E402
 
 SAMPLE = dict(temperature=0.7, top_p=0.95)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (the machines this runs on vary: ratios are comparable, absolute times are not)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def log(message: str) -> None:
@@ -56,14 +67,12 @@ class Bench:
         self.target, self.tokenizer = zoo.load(args.target, dtype="float32", progress=log)
         self.draft, draft_tokenizer = zoo.load(args.draft, dtype="float32", progress=log)
         assert self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
-        log(f"pre-packing a shared-weight copy of the target; quantising the draft to int{args.draft_bits}")
-        self.packed_target = shared_copy(self.target)
-        prepack_linears(self.packed_target)
-        self.fast_draft = quantize_draft(self.draft, bits=args.draft_bits)
-        self.eos = sorted({self.tokenizer.eos_token_id, self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                           self.tokenizer.convert_tokens_to_ids("<|endoftext|>")} - {None})
-        self.decoder = SpeculativeDecoder(self.packed_target, self.fast_draft, num_draft_tokens="auto",
-                                          vocab_size=len(self.tokenizer))
+        # verispec's rows run through the library factory, the path a user of the README's API example takes
+        # (pre-packed target, int4 draft); its own copy of the weights, so no shared state with the HF rows.
+        log(f"verispec.load({args.target!r}, {args.draft!r}, draft_quant='int{args.draft_bits}')")
+        self.decoder, _ = verispec.load(args.target, args.draft, draft_quant=f"int{args.draft_bits}",
+                                        num_draft_tokens="auto", progress=log)
+        self.eos = verispec.eos_token_ids(self.tokenizer, self.target)
         self.hf_best = dict(num_assistant_tokens=5, num_assistant_tokens_schedule="constant",
                             assistant_confidence_threshold=0.0)
 
@@ -214,17 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     gamma_sweep = bench.sweep_gamma(completion)
     log("forward costs")
     context = encoded[0]
-    t_target = time_forward(bench.packed_target, context, list(range(1, 10)), 5)
-    t_draft = time_forward(bench.fast_draft, context, [1], 5)[1]
+    t_target = time_forward(bench.decoder.target_model, context, list(range(1, 10)), 5)
+    t_draft = time_forward(bench.decoder.drafter.model, context, [1], 5)[1]
 
     table = summarise(records, names, kinds, args.repeats)
     results = {
         "command": command,
-        "machine": f"{platform.machine()} ({platform.processor() or 'cpu'}), {torch.get_num_threads()} threads, "
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}, Python {platform.python_version()}",
         "settings": {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "prompts": len(prompts),
                      "sampling": SAMPLE, "target": args.target, "draft": args.draft,
-                     "target_numerics": "float32, linear layers pre-packed (oneDNN)", "draft_numerics": f"int{args.draft_bits} weights",
+                     "target_numerics": "float32, linear layers pre-packed (oneDNN), built by verispec.load", "draft_numerics": f"int{args.draft_bits} weights",
                      "hf_numerics": "float32 target and draft, plain transformers"},
         "tokens_per_s": table,
         "hf_assisted_sweep": hf_sweep,
