@@ -19,9 +19,10 @@ from typing import Self
 import torch
 from transformers import PreTrainedModel
 
+from ..core.block import verify_rows
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
-from ..core.verify import VerifyResult, verify_greedy, verify_sampled_from_uniforms, without_filler
+from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal
 from ..models.cache import CachedLM, left_pad, padded_positions
 from ..policy import CostTable, GammaPolicy, StepRecord
@@ -45,6 +46,7 @@ class Row:
     generator: torch.Generator | None  # None for greedy rows
     policy: GammaPolicy  # this row's draft-length policy
     on_tokens: Callable[[list[int]], None] | None = None
+    verification: str = "block"  # how its sampled drafts are verified: "block" (core/block.py) or "token"
     output: list[int] = field(default_factory=list)
     reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
     error: str | None = None  # what went wrong, for reason "error"
@@ -187,8 +189,8 @@ class DecodeBatch:
             result = verify_greedy(proposal.draft_ids, target_logits, draft_lengths)
         else:
             target_probs = row_probs(target_logits, [row.sampling for row in self.rows])  # [B, k+1, V]
-            result = verify_sampled_from_uniforms(proposal.draft_ids, proposal.draft_probs, target_probs,
-                                                  verify_uniforms(uniforms, gamma, k), draft_lengths)
+            result = verify_rows(proposal.draft_ids, proposal.draft_probs, target_probs,
+                                 verify_uniforms(uniforms, gamma, k), draft_lengths, [row.verification for row in self.rows])
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
         return result, (~finite & used).any(dim=-1)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from ..core.block import check_verification
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
 from ..models.cache import CachedLM, model_device, model_vocab_size
@@ -127,7 +128,9 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         vocab_size: int | None = None,
         stop_drafting: bool = True,
+        verification: str = "block",
     ) -> None:
+        self.verification = check_verification(verification)  # sampled drafts: "block" or "token" verification
         self.gamma_policy = make_gamma_policy(num_draft_tokens)
         self.stop_drafting = stop_drafting
         if draft_model is not None and drafter is not None:
@@ -240,6 +243,7 @@ class SpeculativeDecoder:
         num_draft_tokens: int | str | GammaPolicy | None = None,
         stop_drafting: bool | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        verification: str | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
@@ -254,7 +258,11 @@ class SpeculativeDecoder:
         default): with ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's
         own probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
         Bad arguments raise ``ValueError`` before any model work (``validate_request``).
+        ``verification`` (per call, else the decoder's): "block" (Sun et al. 2024: the draft block judged
+        jointly, never fewer tokens kept in expectation) or "token" (Leviathan et al.); both are exact, and
+        identical for greedy rows.
         """
+        verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)
         request = validate_request(limits, input_ids, SamplingParams(temperature, top_k, top_p), max_new_tokens,
                                    eos_token_id, seed, attention_mask)
@@ -266,6 +274,8 @@ class SpeculativeDecoder:
         stats.start_rows(len(request.prompts))
         callbacks = None if on_tokens is None else [functools.partial(on_tokens, b) for b in range(len(request.prompts))]
         rows = request.rows(policy, range(len(request.prompts)), callbacks)
+        for row in rows:
+            row.verification = verification
         start = time.perf_counter()
         with self.new_batch(drafter, policy, limits=limits, stats=stats, stop_drafting=stop_drafting) as batch:
             batch.add(rows)

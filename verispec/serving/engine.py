@@ -25,6 +25,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from ..core.block import check_verification
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
 from ..telemetry import GenerationStats
@@ -42,6 +43,7 @@ class EngineRequest:
     seed: int | None = None
     eos_token_ids: Sequence[int] = ()
     group: Hashable | None = None  # requests of one group share the batch fairly with others; None: its own
+    verification: str | None = None  # "block" or "token"; None: the decoder's
 
 
 @dataclass
@@ -133,6 +135,7 @@ class Engine:
         key = next(self._keys)
         row = valid.rows(self.decoder.policy_for(valid), [key],
                          [lambda tokens: on_event(TokensEvent(list(tokens)))])[0]
+        row.verification = check_verification(request.verification or self.decoder.verification)
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
