@@ -65,8 +65,9 @@ class Bench:
     def __init__(self, args) -> None:
         self.args = args
         self.target, self.tokenizer = zoo.load(args.target, dtype="float32", progress=log)
-        self.draft, draft_tokenizer = zoo.load(args.draft, dtype="float32", progress=log)
-        assert self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+        if not args.core:  # the fp32 draft only serves transformers' assisted rows (2 GB)
+            self.draft, draft_tokenizer = zoo.load(args.draft, dtype="float32", progress=log)
+            assert self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
         # verispec's rows run through the library factory, the path a user of the README's API example takes
         # (pre-packed target, int4 draft); its own copy of the weights, so no shared state with the HF rows.
         log(f"verispec.load({args.target!r}, {args.draft!r}, draft_quant='int{args.draft_bits}')")
@@ -99,6 +100,12 @@ class Bench:
         return out.tokens[0], time.perf_counter() - t0, out.stats.to_dict()
 
     def methods(self, n: int, seed: int) -> dict:
+        methods = self.all_methods(n, seed)
+        if self.args.core:
+            return {name: fn for name, fn in methods.items() if "assisted" not in name}
+        return methods
+
+    def all_methods(self, n: int, seed: int) -> dict:
         hf_defaults = dict(num_assistant_tokens=20, num_assistant_tokens_schedule="constant",
                            assistant_confidence_threshold=0.4)
         return {
@@ -189,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
     parser.add_argument("--out", default=str(Path(__file__).parent))
+    parser.add_argument("--core", action="store_true",
+                        help="only transformers generate and verispec's rows (no assisted generation, no sweeps): "
+                             "a shorter run that checks the speed-up ratios")
     args = parser.parse_args(argv)
     command = "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:])
     prompts = json.loads(Path(args.prompts).read_text())[: args.limit]
@@ -200,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     log("warm-up")
     for fn in bench.methods(4, seed=0).values():
         fn(encoded[0])
-    log("sweeping transformers' assisted-generation settings")
-    hf_sweep = bench.sweep_hf_assisted(completion)
+    hf_sweep = []
+    if not args.core:
+        log("sweeping transformers' assisted-generation settings")
+        hf_sweep = bench.sweep_hf_assisted(completion)
 
     records, mismatches = [], []
     names = list(bench.methods(1, 0))
@@ -214,13 +226,15 @@ def main(argv: list[str] | None = None) -> int:
                 records.append({"method": name, "repeat": repeat, "prompt": index, "kind": prompt["kind"],
                                 "tokens": len(tokens), "seconds": seconds, "stats": stats})
             greedy = ["hf_generate", "hf_assisted_default", "hf_assisted_best", "vs_target_alone", "vs_spec_greedy"]
-            for name in greedy[1:]:
+            for name in (g for g in greedy[1:] if g in outputs):
                 if outputs[name] != outputs["hf_generate"]:
                     mismatches.append({"repeat": repeat, "prompt": index, "method": name})
             log(f"repeat {repeat + 1}/{args.repeats} prompt {index + 1}/{len(prompts)} ({prompt['kind']})")
 
-    log("draft-length sweep")
-    gamma_sweep = bench.sweep_gamma(completion)
+    gamma_sweep = []
+    if not args.core:
+        log("draft-length sweep")
+        gamma_sweep = bench.sweep_gamma(completion)
     log("forward costs")
     context = encoded[0]
     t_target = time_forward(bench.decoder.target_model, context, list(range(1, 10)), 5)
@@ -242,15 +256,16 @@ def main(argv: list[str] | None = None) -> int:
         "gamma_sweep": gamma_sweep,
         "costs_s": {"target": t_target, "draft": t_draft},
     }
+    pairs = {
+        "spec_greedy_vs_hf_generate": ("vs_spec_greedy", "hf_generate"),
+        "spec_greedy_vs_hf_assisted_best": ("vs_spec_greedy", "hf_assisted_best"),
+        "spec_greedy_vs_hf_assisted_default": ("vs_spec_greedy", "hf_assisted_default"),
+        "spec_greedy_vs_vs_target_alone": ("vs_spec_greedy", "vs_target_alone"),
+        "spec_sample_vs_hf_generate_sample": ("vs_spec_sample", "hf_generate_sample"),
+        "vs_target_alone_vs_hf_generate": ("vs_target_alone", "hf_generate"),
+    }
     results["ratios"] = {
-        kind: {
-            "spec_greedy_vs_hf_generate": ratio(table, "vs_spec_greedy", "hf_generate", kind),
-            "spec_greedy_vs_hf_assisted_best": ratio(table, "vs_spec_greedy", "hf_assisted_best", kind),
-            "spec_greedy_vs_hf_assisted_default": ratio(table, "vs_spec_greedy", "hf_assisted_default", kind),
-            "spec_greedy_vs_vs_target_alone": ratio(table, "vs_spec_greedy", "vs_target_alone", kind),
-            "spec_sample_vs_hf_generate_sample": ratio(table, "vs_spec_sample", "hf_generate_sample", kind),
-            "vs_target_alone_vs_hf_generate": ratio(table, "vs_target_alone", "hf_generate", kind),
-        }
+        kind: {name: ratio(table, a, b, kind) for name, (a, b) in pairs.items() if a in table and b in table}
         for kind in kinds + ["all"]
     }
     results["telemetry"] = telemetry(records, kinds)
@@ -259,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     (out / "RESULTS.md").write_text(markdown(results, kinds))
-    plot(gamma_sweep, out / "speedup_vs_gamma.png")
+    if gamma_sweep:
+        plot(gamma_sweep, out / "speedup_vs_gamma.png")
     log(f"wrote {out / 'results.json'}, {out / 'RESULTS.md'}, {out / 'speedup_vs_gamma.png'}")
     print((out / "RESULTS.md").read_text())
     return 0
@@ -346,14 +362,20 @@ def markdown(results: dict, kinds: list[str]) -> str:
     t = results["costs_s"]["target"]
     lines += ["", "Forward costs (s): target T(m) for m tokens scored: " +
               ", ".join(f"{m}: {v:.3f}" for m, v in t.items()) + f"; draft ({results['settings']['draft_numerics']}) T(1): {results['costs_s']['draft']:.3f}",
-              "", "Draft-length sweep on the completion prompts (speed-up vs verispec target alone):", "",
-              "| policy | tokens/s | speed-up | acceptance |", "|---|---|---|---|"]
+              ]
+    if results["gamma_sweep"]:
+        lines += ["", "Draft-length sweep on the completion prompts (speed-up vs verispec target alone):", "",
+                  "| policy | tokens/s | speed-up | acceptance |", "|---|---|---|---|"]
     for row in results["gamma_sweep"]:
         lines.append(f"| {row['policy']} | {row['tokens_per_s']:.2f} | {row['speedup_vs_target_alone']:.2f}x | "
                      f"{row['acceptance']:.3f} |")
-    lines += ["", f"transformers assisted best setting: {json.dumps(results['hf_assisted_best'])}",
+    if results["hf_assisted_sweep"]:
+        lines += ["", f"transformers assisted best setting: {json.dumps(results['hf_assisted_best'])}"]
+    lines += ["",
               f"Greedy outputs differing from transformers generate: {len(results['greedy_mismatches'])} "
-              f"{json.dumps(results['greedy_mismatches'])}", "", "![speed-up vs draft length](speedup_vs_gamma.png)", ""]
+              f"{json.dumps(results['greedy_mismatches'])}", ""]
+    if results["gamma_sweep"]:
+        lines += ["![speed-up vs draft length](speedup_vs_gamma.png)", ""]
     return "\n".join(lines)
 
 
