@@ -1,14 +1,18 @@
-"""Sampling warpers: turn raw logits into the distribution a sampler draws from.
+"""Sampling warpers: turn (processed) logits into the distribution a sampler draws from.
 
 The same warpers are applied to the target's logits (defining the distribution the output must follow) and
 to the draft's logits (defining the distribution the draft samples from, which then enters the acceptance
-ratio). Order and semantics follow transformers' ``generate``: temperature, then top-k, then top-p.
+ratio). Order and semantics follow transformers' ``generate``: temperature, then top-k, top-p, min-p.
+History-dependent processors (penalties, logit bias, ``min_tokens``) come before the warpers and live in
+``core/processors.py``; their settings are part of ``SamplingParams`` so that one object says how a row
+samples.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,14 +23,41 @@ import torch
 GREEDY_BELOW = 1e-5
 
 
+# OpenAI's bounds: penalties in [-2, 2]; a logit bias is clamped to [-100, 100] (as vLLM does).
+PENALTY_BOUND = 2.0
+LOGIT_BIAS_BOUND = 100.0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen. ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy (argmax),
-    never a division by zero or an overflow."""
+    never a division by zero or an overflow.
+
+    Processors (applied to the logits before temperature, in this order; see ``core/processors.py``):
+    ``logit_bias`` (token id -> bias, clamped to [-100, 100]), ``repetition_penalty`` (transformers: every id in
+    the prompt or the output so far), ``frequency_penalty`` / ``presence_penalty`` (OpenAI: over the output so
+    far, in [-2, 2]), ``min_tokens`` (``stop_token_ids`` masked while fewer tokens were generated). Then the
+    warpers: temperature, ``top_k``, ``top_p``, ``min_p`` (transformers' order). ``logit_bias`` may be given as a
+    mapping; it is stored as sorted ``(id, bias)`` pairs so that the params stay hashable."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -39,14 +70,49 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        if self.min_p is not None and not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] or None, got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_number(value) and -PENALTY_BOUND <= value <= PENALTY_BOUND):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 means none), got {self.repetition_penalty!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        object.__setattr__(self, "logit_bias", _normalised_bias(self.logit_bias))
+        stop_ids = tuple(self.stop_token_ids)
+        if not all(_token_id(t) for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {list(stop_ids)!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in stop_ids})))
+
+    @property
+    def processed(self) -> bool:
+        """Whether any history-dependent processor or bias changes the logits (``core/processors.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or (self.min_tokens and self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
 
+def _normalised_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    items = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        pairs = [tuple(pair) for pair in items]
+    except TypeError as error:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from error
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if len(pair) != 2 or not _token_id(pair[0]) or not _is_number(pair[1]):
+            raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
+        out[int(pair[0])] = min(max(float(pair[1]), -LOGIT_BIAS_BOUND), LOGIT_BIAS_BOUND)
+    return tuple(sorted(out.items()))
+
+
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to ``logits`` (``[..., V]``); returns float32 logits with ``-inf``
+    """Apply temperature, top-k, top-p and min-p to ``logits`` (``[..., V]``); returns float32 logits with ``-inf``
     outside the kept set. Greedy params have no distribution to warp (use argmax): ValueError."""
     if params.greedy:
         raise ValueError("temperature 0 means greedy: there is no sampling distribution, use argmax")
@@ -64,6 +130,10 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p:  # transformers' MinPLogitsWarper: drop tokens below min_p x the top probability
+        probs = logits.softmax(dim=-1)  # [..., V]
+        threshold = params.min_p * probs.amax(dim=-1, keepdim=True)  # [..., 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))  # the top token is never below it
     return logits
 
 

@@ -20,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.block import verify_rows
+from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
@@ -185,6 +186,10 @@ class DecodeBatch:
         k = proposal.draft_ids.shape[1]
         finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
         target_logits = torch.where(finite[..., None], target_logits, 0.0)
+        # Penalties, bias and min_tokens per position: position i sees the drafts before it (filler unseen).
+        target_logits = process_logits(target_logits, [row.sampling for row in self.rows],
+                                       [row.prompt for row in self.rows], [row.output for row in self.rows],
+                                       without_filler(proposal.draft_ids, draft_lengths))  # [B, k+1, V]
         if uniforms is None:
             result = verify_greedy(proposal.draft_ids, target_logits, draft_lengths)
         else:

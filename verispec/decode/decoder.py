@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -244,6 +244,13 @@ class SpeculativeDecoder:
         stop_drafting: bool | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
         verification: str | None = None,
+        min_p: float | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: Mapping[int, float] | None = None,
+        min_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
@@ -261,10 +268,15 @@ class SpeculativeDecoder:
         ``verification`` (per call, else the decoder's): "block" (Sun et al. 2024: the draft block judged
         jointly, never fewer tokens kept in expectation) or "token" (Leviathan et al.); both are exact, and
         identical for greedy rows.
+        ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
+        ``min_tokens`` and ``stop_token_ids`` are ``SamplingParams``' processors: exact under speculation (each
+        position of a block sees the drafts before it).
         """
         verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)
-        request = validate_request(limits, input_ids, SamplingParams(temperature, top_k, top_p), max_new_tokens,
+        request = validate_request(limits, input_ids, SamplingParams(
+            temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+            logit_bias or (), min_tokens, tuple(stop_token_ids)), max_new_tokens,
                                    eos_token_id, seed, attention_mask)
         policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
         if drafter is None:

@@ -3,12 +3,15 @@ that they accept and refuse the same requests, before any model work.
 
 Rules: prompts are non-empty lists of ids the models' embeddings accept; ``max_new_tokens`` is an integer
 >= 0 (0 finishes at once with reason "length" and no tokens); prompt + ``max_new_tokens`` fit the models'
-positions; sampling settings as ``SamplingParams`` checks them; EOS ids are real token ids; a seed is an int.
+positions; sampling settings as ``SamplingParams`` checks them; EOS ids, stop token ids and logit-bias ids are
+real token ids; a seed is an int. Stop token ids end a row as EOS does (finish reason "stop"), and
+``min_tokens`` masks every EOS and stop id.
 An unseeded sampled request gets a seed from the OS, reported back so that it can be reproduced.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -69,7 +72,12 @@ def validate_request(
     prompts = _prompts(input_ids, attention_mask, limits.input_limit)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    eos_ids = _eos_ids(eos_token_id, limits.vocab_size)
+    eos_ids = _eos_ids(eos_token_id, limits.vocab_size) | _eos_ids(list(sampling.stop_token_ids), limits.vocab_size,
+                                                                   "stop_token_ids")
+    outside = [t for t, _ in sampling.logit_bias if t >= limits.vocab_size]
+    if outside:
+        raise ValueError(f"logit_bias names token ids outside [0, {limits.vocab_size}): {outside[:5]}")
+    sampling = dataclasses.replace(sampling, stop_token_ids=tuple(eos_ids))  # what min_tokens masks
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     longest = max(len(p) for p in prompts)
@@ -120,11 +128,11 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, input_limit: int) -
     return prompts
 
 
-def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab_size: int) -> frozenset[int]:
+def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab_size: int, name: str = "eos_token_id") -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(f"eos_token_id {t!r} is not a token id in [0, {vocab_size})")
+            raise ValueError(f"{name} {t!r} is not a token id in [0, {vocab_size})")
     return frozenset(ids)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.cache import CachedLM, left_pad, padded_positions
 from .base import Drafter, Proposal, per_row
@@ -58,6 +59,8 @@ class ModelDrafter(Drafter):
         self.vocab_size = vocab_size
         self.lm.reset(0)
         self.params: list[SamplingParams] = []
+        self.prompts: list[list[int]] = []
+        self.generated: list[list[int]] = []  # committed tokens per row (what the processors count)
         self.pending: list[list[int]] = []
         self.cached = torch.zeros(0, dtype=torch.long)  # [B] tokens in cache per row
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
@@ -66,6 +69,8 @@ class ModelDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """Prefill the new rows (all prompt tokens but the last, which stays pending) and append them."""
         self.params += list(sampling)
+        self.prompts += [list(p) for p in prompts]
+        self.generated += [[] for _ in prompts]
         self.pending += [p[-1:] for p in prompts]
         self.cached = torch.cat([self.cached, torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)])
         ids, mask = left_pad([p[:-1] for p in prompts])
@@ -90,6 +95,7 @@ class ModelDrafter(Drafter):
         ids, mask = left_pad(self.pending)  # [B, w]
         next_position = self.cached + mask.sum(dim=1)  # [B] position of the first draft token
         all_greedy = all(p.greedy for p in self.params)
+        processed = any(p.processed for p in self.params)
         confidence = None
         if stop_below is not None and any(stop_below):
             confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
@@ -100,6 +106,9 @@ class ModelDrafter(Drafter):
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
                 logits = self._next_logits(step_ids, torch.ones_like(step_ids, dtype=torch.bool),
                                            (next_position + j - 1)[:, None])
+            if processed:  # the drafts so far precede this position
+                logits = process_logits(logits[:, None], self.params, self.prompts, self.generated,
+                                        torch.stack(draft_ids, dim=1) if draft_ids else None)[:, 0]  # [B, V]
             probs = None
             if all_greedy:
                 draft_ids.append(logits.argmax(dim=-1))
@@ -118,6 +127,8 @@ class ModelDrafter(Drafter):
         )
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        for generated, tokens in zip(self.generated, new_tokens):
+            generated.extend(tokens)
         if self._fed_drafts is None:  # no proposal this step (k = 0): the pending tokens were not fed
             self.pending = [p + tokens for p, tokens in zip(self.pending, new_tokens)]
             return
@@ -131,5 +142,7 @@ class ModelDrafter(Drafter):
     def select_rows(self, rows: list[int]) -> None:
         self.lm.select_rows(rows)
         self.params = [self.params[r] for r in rows]
+        self.prompts = [self.prompts[r] for r in rows]
+        self.generated = [self.generated[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]
         self.cached = self.cached[torch.tensor(rows, dtype=torch.long)]

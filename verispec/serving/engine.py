@@ -22,8 +22,9 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..core.block import check_verification
 from ..core.sampling import SamplingParams
@@ -44,6 +45,8 @@ class EngineRequest:
     eos_token_ids: Sequence[int] = ()
     group: Hashable | None = None  # requests of one group share the batch fairly with others; None: its own
     verification: str | None = None  # "block" or "token"; None: the decoder's
+    # further SamplingParams fields: min_p, penalties, logit_bias, min_tokens, stop_token_ids
+    sampling_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,7 +132,7 @@ class Engine:
     def submit(self, request: EngineRequest, on_event: Callable[[TokensEvent | FinishEvent], None]) -> RequestHandle:
         """Validate and queue ``request`` (``ValueError`` if the decoder refuses it, as ``generate`` would);
         ``on_event`` is called from the engine thread, in order."""
-        sampling = SamplingParams(request.temperature, request.top_k, request.top_p)
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, **request.sampling_options)
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
                                  list(request.eos_token_ids), request.seed)
         key = next(self._keys)
