@@ -36,11 +36,18 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 0}, "max_completion_tokens"),
     # Fields that would change the output and are not implemented are refused, never ignored.
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 0.1}, "min_p"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_p": 0.05},
+    # Processors out of their ranges.
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "min_p": -0.05},
      "min_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": "up"}}, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, None),  # beyond the vocabulary
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True},
      "logprobs"),

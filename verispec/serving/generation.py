@@ -49,6 +49,7 @@ class Params:
     n: int
     stream: bool
     include_usage: bool
+    sampling_options: dict = field(default_factory=dict)  # SamplingParams' processors (penalties, min_p, ...)
 
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -98,7 +99,7 @@ class Generation:
                 request = EngineRequest(
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
-                    eos_token_ids=self.server.eos_token_ids, group=self.id,
+                    eos_token_ids=self.server.eos_token_ids, group=self.id, sampling_options=p.sampling_options,
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
                 submitted += 1

@@ -29,6 +29,8 @@ from pydantic_core import PydanticCustomError
 from .config import MAX_CHOICES
 
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_STOP_TOKEN_IDS = 256
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
 
 
@@ -204,12 +206,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "top_logprobs": lambda v: v in (None, 0),
     "echo": _no_effect,
     "suffix": _no_effect,
-    "logit_bias": _no_effect,
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "repetition_penalty": lambda v: v in (None, 1),
-    "min_p": lambda v: v in (None, 0),
-    "min_tokens": lambda v: v in (None, 0),
     "ignore_eos": _no_effect,
     "tools": _no_effect,
     "functions": _no_effect,
@@ -242,12 +238,22 @@ class SamplingRequest(BaseModel):
     top_logprobs: Any = _UNSUPPORTED_FIELD
     echo: Any = _UNSUPPORTED_FIELD
     suffix: Any = _UNSUPPORTED_FIELD
-    logit_bias: Any = _UNSUPPORTED_FIELD
-    presence_penalty: Any = _UNSUPPORTED_FIELD
-    frequency_penalty: Any = _UNSUPPORTED_FIELD
-    repetition_penalty: Any = _UNSUPPORTED_FIELD
-    min_p: Any = _UNSUPPORTED_FIELD
-    min_tokens: Any = _UNSUPPORTED_FIELD
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        None, description="OpenAI: subtract this from the logit of every token already generated.")
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
+        None, description="OpenAI: subtract this times the count of each token generated so far.")
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = Field(
+        None, description="Extension (transformers): divide positive / multiply negative logits of every token in "
+        "the prompt or the output by this.")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = Field(
+        None, description="Keep tokens with probability >= min_p x the most likely one's (after temperature).")
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"Token id (as a string) -> bias added to its logit, clamped to [-100, 100]; at most "
+        f"{MAX_LOGIT_BIAS} entries.")
+    min_tokens: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="Extension: EOS and stop_token_ids cannot end the output before this many tokens.")
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        None, description="Extension: token ids that end the output as EOS does (finish_reason 'stop').")
     ignore_eos: Any = _UNSUPPORTED_FIELD
     tools: Any = _UNSUPPORTED_FIELD
     functions: Any = _UNSUPPORTED_FIELD
@@ -273,6 +279,20 @@ class SamplingRequest(BaseModel):
                 "invalid_value", f"'stop' holds {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise PydanticCustomError(
+                "invalid_value", f"'logit_bias' holds {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+        for key in value:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+                raise PydanticCustomError("invalid_value",
+                                          f"'logit_bias' keys must be token ids written as strings, got {_short(key)}")
+        return value
+
     @field_validator("best_of", *UNSUPPORTED)
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
@@ -295,6 +315,18 @@ class SamplingRequest(BaseModel):
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return tuple(dict.fromkeys(s for s in stops if s))  # empty strings stop nothing
+
+    @property
+    def sampling_options(self) -> dict[str, Any]:
+        """The processors asked for, as ``SamplingParams`` fields (absent ones left at their defaults)."""
+        options = {name: getattr(self, name) for name in
+                   ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+                   if getattr(self, name) is not None}
+        if self.logit_bias:
+            options["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+        if self.stop_token_ids:
+            options["stop_token_ids"] = tuple(self.stop_token_ids)
+        return options
 
     @property
     def token_limit(self) -> tuple[str, int | None]:
