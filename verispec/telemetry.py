@@ -34,6 +34,12 @@ class GenerationStats:
     target_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
+    # The batch's draft gate (verispec.policy.gate): steps it set to k = 0 although rows wanted to draft, how
+    # many steps each reason decided, and the last decision (expected tokens/s drafting and alone, the
+    # drafting rows' mean acceptance estimate).
+    gate_closed_steps: int = 0
+    gate_reasons: dict[str, int] = field(default_factory=dict)
+    gate_last: dict | None = None
 
     def start_rows(self, batch_size: int) -> None:
         self.row_draft_tokens = [0] * batch_size
@@ -64,6 +70,12 @@ class GenerationStats:
                 self.position_accepted[j] += 1
             for j in range(min(accepted + 1, length)):
                 self.position_judged[j] += 1
+
+    def record_gate(self, decision: dict, closed_steps: int) -> None:
+        """The draft gate's decision for this step (``GateDecision.to_dict()``) and its closed-step count."""
+        self.gate_last = decision
+        self.gate_reasons[decision["reason"]] = self.gate_reasons.get(decision["reason"], 0) + 1
+        self.gate_closed_steps = closed_steps
 
     @property
     def acceptance_rate(self) -> float:

@@ -5,6 +5,8 @@
 - ``CostModelGamma`` (``auto.py``, ``num_draft_tokens="auto"``): Leviathan et al.'s cost model
   (``formula.py``) over a ``CostTable`` of machine costs measured online (``costs.py``, shared by every
   request) and an ``AcceptanceEstimate`` per request (``acceptance.py``).
+- ``DraftGate`` (``gate.py``): per step, whether the whole batch drafts at all, from measured costs at the
+  current batch size.
 
 Policies learn from ``StepRecord``s (``base.py``): what a step drafted, kept and cost.
 """
@@ -16,12 +18,27 @@ from .auto import CostModelGamma
 from .base import FixedGamma, GammaPolicy, StepRecord
 from .costs import CostCurve, CostTable, Ema
 from .formula import best_gamma, expected_tokens, expected_tokens_by_position
+from .gate import DraftGate, GateDecision
 from .heuristic import HeuristicGamma
 
 __all__ = [
-    "AcceptanceEstimate", "AcceptancePool", "CostCurve", "CostModelGamma", "CostTable", "Ema", "FixedGamma",
-    "GammaPolicy", "HeuristicGamma", "PositionCounts", "StepRecord", "best_gamma", "expected_tokens",
-    "expected_tokens_by_position", "make_gamma_policy",
+    "AcceptanceEstimate",
+    "AcceptancePool",
+    "CostCurve",
+    "CostModelGamma",
+    "CostTable",
+    "DraftGate",
+    "Ema",
+    "FixedGamma",
+    "GammaPolicy",
+    "GateDecision",
+    "HeuristicGamma",
+    "PositionCounts",
+    "StepRecord",
+    "best_gamma",
+    "expected_tokens",
+    "expected_tokens_by_position",
+    "make_gamma_policy",
 ]
 
 

@@ -92,6 +92,12 @@ class CostModelGamma(GammaPolicy):
         seconds_per_token = step_cost / expected_tokens_by_position(self._acceptance(gamma), gamma)
         return min(draft_cost / seconds_per_token, 1.0)
 
+    def expected_tokens(self, gamma: int) -> float:
+        return expected_tokens_by_position(self._acceptance(gamma), gamma)
+
+    def acceptance(self) -> float:
+        return self.estimate.acceptance
+
     def observe(self, record: StepRecord) -> None:
         self.costs.observe(record)
         self.estimate.observe(record)

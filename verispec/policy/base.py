@@ -58,6 +58,15 @@ class GammaPolicy:
         of the block falls below this. 0 (the default) means never."""
         return 0.0
 
+    def expected_tokens(self, gamma: int) -> float | None:
+        """Expected tokens this row emits in a step with ``gamma`` drafts; None when the policy keeps no
+        acceptance estimate (then the batch's draft gate never overrides its choice)."""
+        return None
+
+    def acceptance(self) -> float | None:
+        """This row's per-draft acceptance estimate, if the policy keeps one (telemetry)."""
+        return None
+
     def for_row(self) -> GammaPolicy:
         """The policy one row of a batch uses: rows adapt on their own acceptance (so a row's draft lengths
         do not depend on the other rows), sharing machine-level cost measurements."""

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -38,9 +38,38 @@ class _EngineCollector:
                                 value=running)
         yield GaugeMetricFamily("verispec_requests_waiting", "Engine requests waiting to join the batch.",
                                 value=metrics.get("waiting", 0))
+        yield from _gate_metrics(metrics)
 
     def describe(self) -> list[Metric]:  # registering must not scrape the engine
         return []
+
+
+def _gate_metrics(metrics: Mapping) -> Iterator[Metric]:
+    """The draft gate (``verispec.policy.gate``): whether the last step drafted, why, what the cost model expected
+    with and without drafts at that batch size, and the drafting rows' acceptance estimate."""
+    yield CounterMetricFamily("verispec_draft_gate_closed_steps",
+                              "Steps in which the draft gate chose k = 0 for the whole batch although rows wanted to draft.",
+                              value=metrics.get("draft_gate_closed_steps", 0))
+    last = metrics.get("draft_gate")
+    if not last:
+        return
+    yield GaugeMetricFamily("verispec_draft_gate_open", "1 if the last step drafted as its rows chose, 0 if k = 0.",
+                            value=float(last["open"]))
+    reason = GaugeMetricFamily("verispec_draft_gate_reason", "The last gate decision's reason (value 1).",
+                               labels=["reason"])
+    reason.add_metric([last["reason"]], 1.0)
+    yield reason
+    rates = GaugeMetricFamily("verispec_draft_gate_expected_tokens_per_second",
+                              "Tokens per second the cost model expected for the last step, drafting or with k = 0.",
+                              labels=["mode"])
+    for mode, key in (("draft", "draft_tokens_per_s"), ("alone", "alone_tokens_per_s")):
+        if last.get(key) is not None:
+            rates.add_metric([mode], last[key])
+    yield rates
+    if last.get("acceptance") is not None:
+        yield GaugeMetricFamily("verispec_acceptance_estimate",
+                                "Mean per-draft acceptance estimate of the rows that wanted to draft at the last step.",
+                                value=last["acceptance"])
 
 
 class Metrics:

@@ -1,0 +1,110 @@
+"""The draft gate (verispec.policy.gate): k = 0 for the whole batch where drafting does not pay, from measured
+costs at the current batch size; fast learning under a burst; telemetry of the decision."""
+
+from __future__ import annotations
+
+from tiny_models import build
+
+from verispec import SpeculativeDecoder
+from verispec.policy import CostModelGamma, CostTable, DraftGate, StepRecord
+
+
+def target_seconds(tokens: int) -> float:
+    """A CPU-like target: a fixed cost per pass (weights read once) plus a cost per token scored (compute)."""
+    return 0.05 + 0.004 * tokens
+
+
+def draft_seconds(rows: int) -> float:
+    return 0.004 + 0.001 * rows
+
+
+def synthetic_costs(batch_sizes: list[int], max_gamma: int = 12) -> CostTable:
+    costs = CostTable()
+    for rows in batch_sizes:
+        for g in range(max_gamma + 1):
+            costs.target.add(rows * (g + 1), target_seconds(rows * (g + 1)))
+        costs.draft.add(rows, draft_seconds(rows))
+    return costs
+
+
+def test_drafting_does_not_pay_at_batch_16_but_does_at_batch_1():
+    costs = synthetic_costs([1, 16])
+    policy = CostModelGamma(costs=costs)
+    policy.estimate.pool.prior_acceptance = 0.7
+    row = policy.for_row()
+    assert row.choose(12, rows=1) > 0
+    assert row.choose(12, rows=16) == 0
+    gate = DraftGate(costs)
+    assert gate.decide([3], [row.expected_tokens(3)], [row.acceptance()]) == [3]
+    assert gate.last.open and gate.last.reason == "pays"
+    assert gate.last.draft_tokens_per_s > gate.last.alone_tokens_per_s
+    # Rows that want to draft (a per-row probe, or an optimistic row) are overruled at batch 16.
+    wanted = [1] * 8 + [0] * 8
+    assert gate.decide(wanted, [row.expected_tokens(g) for g in wanted], [0.7] * 16) == [0] * 16
+    assert not gate.last.open and gate.last.reason == "slower" and gate.closed_steps == 1
+    assert gate.last.draft_tokens_per_s < gate.last.alone_tokens_per_s
+    assert abs(gate.last.acceptance - 0.7) < 1e-12
+
+
+def test_closed_gate_probes_rarely_and_backs_off():
+    costs = synthetic_costs([1, 16])
+    gate = DraftGate(costs, probe_every=4, max_probe_every=16)
+    opened = [s for s in range(80) if gate.decide([2] * 16, [1.5] * 16, [0.5] * 16) != [0] * 16]
+    assert opened == [4, 13, 30, 47, 64]  # after 4, then 8, then 16 closed steps
+
+
+def test_rows_without_an_estimate_are_never_gated():
+    gate = DraftGate(synthetic_costs([1, 16]))
+    assert gate.decide([2] * 16, [None] * 16, [None] * 16) == [2] * 16
+    assert gate.last.reason == "ungated"
+
+
+def test_a_new_batch_size_is_measured_with_one_k0_step():
+    gate = DraftGate(synthetic_costs([1]))  # target costs known up to 13 tokens per pass
+    assert gate.decide([3] * 16, [2.0] * 16, [0.7] * 16) == [0] * 16
+    assert gate.last.reason == "measure"
+    gate.costs.target.add(16, target_seconds(16))
+    gate.decide([3] * 16, [2.0] * 16, [0.7] * 16)
+    assert gate.last.reason == "slower"  # measured once: now the cost model decides
+
+
+def simulate_burst(steps: int, rows: int = 16, acceptance: float = 0.7) -> list[tuple[bool, bool]]:
+    """A burst of ``rows`` clients on a machine measured only at batch 1 (one client before): per step, (drafted,
+    drafting would have paid at the gamma drafted), with true costs from the synthetic curves above."""
+    costs = synthetic_costs([1])
+    policy = CostModelGamma(costs=costs)
+    row_policies = [policy.for_row() for _ in range(rows)]
+    gate = DraftGate(costs)
+    out = []
+    for _ in range(steps):
+        wanted = [p.choose(12, rows) for p in row_policies]
+        gammas = gate.decide(wanted, [p.expected_tokens(g) for p, g in zip(row_policies, wanted)],
+                             [p.acceptance() for p in row_policies])
+        g = max(gammas)
+        kept = [min(int(acceptance * (gi + 1)), gi) for gi in gammas]  # deterministic partial acceptance
+        record = StepRecord(g, gammas, kept, g * draft_seconds(rows), target_seconds(rows * (g + 1)))
+        costs.observe(record)
+        for b, p in enumerate(row_policies):
+            p.observe(record.row(b))
+        true_rate = (rows + sum(kept)) / (g * draft_seconds(rows) + target_seconds(rows * (g + 1)))
+        out.append((g > 0, true_rate >= rows / target_seconds(rows)))
+    return out
+
+
+def test_a_burst_of_16_clients_does_not_spend_its_life_mis_drafting():
+    steps = simulate_burst(100)
+    mis_drafts = sum(drafted and not pays for drafted, pays in steps)
+    assert mis_drafts <= 10, mis_drafts  # the first steps learn, then probes only
+    assert not any(drafted for drafted, _ in steps[5:8])
+
+
+def test_decision_is_in_generate_telemetry():
+    target = build("qwen2", seed=3, vocab_size=32)
+    draft = build("qwen2", seed=4, vocab_size=32)
+    decoder = SpeculativeDecoder(target, draft)  # "auto": the cost model and its gate
+    prompts = [[1, 5, 2], [3, 3, 4], [7, 1]]
+    out = decoder.generate(prompts, max_new_tokens=8)
+    assert out.tokens == decoder.generate(prompts, max_new_tokens=8, draft=None).tokens
+    assert sum(out.stats.gate_reasons.values()) == out.stats.steps
+    assert set(out.stats.gate_last) >= {"open", "reason", "rows", "acceptance"}
+    assert "gate_closed_steps" in out.stats.to_dict()

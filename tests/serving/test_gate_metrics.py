@@ -1,0 +1,26 @@
+"""The draft gate's decision and acceptance estimate in /metrics (``verispec.serving.metrics``)."""
+
+from __future__ import annotations
+
+from serving_support import parse_metrics
+
+from verispec.policy import GateDecision
+from verispec.serving.metrics import Metrics
+
+
+def test_gate_decision_and_acceptance_estimate_are_exported() -> None:
+    decision = GateDecision(False, "slower", 16, draft_tokens_per_s=110.0, alone_tokens_per_s=140.0, acceptance=0.7)
+    state = {"running": 16, "waiting": 0, "draft_gate_closed_steps": 12, "draft_gate": decision.to_dict()}
+    samples = parse_metrics(Metrics(lambda: state, lambda: 0).render().decode())
+    assert samples["verispec_draft_gate_closed_steps_total"] == 12
+    assert samples["verispec_draft_gate_open"] == 0
+    assert samples['verispec_draft_gate_reason{reason="slower"}'] == 1
+    assert samples['verispec_draft_gate_expected_tokens_per_second{mode="draft"}'] == 110.0
+    assert samples['verispec_draft_gate_expected_tokens_per_second{mode="alone"}'] == 140.0
+    assert samples["verispec_acceptance_estimate"] == 0.7
+
+
+def test_no_decision_yet() -> None:
+    samples = parse_metrics(Metrics(lambda: {"running": 0, "waiting": 0}, lambda: 0).render().decode())
+    assert samples["verispec_draft_gate_closed_steps_total"] == 0
+    assert "verispec_draft_gate_open" not in samples

@@ -1,0 +1,98 @@
+"""The draft gate: per step, whether the whole batch drafts at all (k = 0 is a choice like any other).
+
+The batch drafts ``k = max k_r`` columns: one row that drafts makes every row pay a draft pass per column and
+the target score ``B * (k + 1)`` tokens. On a CPU at batch 16 the target is compute-bound, scoring extra tokens
+costs nearly their full price, and speculation can lose to the target alone. So before each step the gate
+compares, from measured costs at the current batch size B (``CostTable``) and each row's acceptance estimate
+(its policy's ``expected_tokens``):
+
+- drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)))``,
+- the target alone: ``B / t_target(B)``,
+
+and closes (every row drafts 0) when the target alone is faster. It learns fast: a batch size whose k = 0 cost
+was never measured gets one k = 0 step first (never slower than the target alone), and a draft cost measured at
+the new size replaces the extrapolated one after one step. While closed it lets the rows' choices through once
+the batch has not drafted for ``probe_every`` steps (doubling up to ``max_probe_every`` while probes keep
+confirming it), so costs and acceptance are re-measured when the load changes.
+
+Rows whose policy has no estimate (a fixed or heuristic schedule, or a seeded sampled request whose tokens must
+not depend on timings) are never gated; when any of them drafts, the gate stays open (closing the other rows
+would save no pass). Exactness never depends on the gate: it only chooses lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .costs import CostTable
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """One step's decision, for telemetry and ``/metrics``."""
+
+    open: bool  # the rows' draft lengths were used (False: every row drafted 0)
+    reason: str  # "pays", "slower" (closed by the cost model), "measure" (one k = 0 step at a new batch size),
+    #              "probe" (closed, but re-measuring), "unmeasured", "ungated" (a row without an estimate drafts),
+    #              "rows" (no row chose to draft)
+    rows: int
+    draft_tokens_per_s: float | None = None  # expected tokens per second drafting as the rows chose
+    alone_tokens_per_s: float | None = None  # expected tokens per second with k = 0
+    acceptance: float | None = None  # mean per-draft acceptance estimate of the drafting rows
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DraftGate:
+    """A batch's gate over the ``CostTable`` its rows share; its probe counters are the batch's own."""
+
+    costs: CostTable
+    probe_every: int = 8
+    max_probe_every: int = 64
+    last: GateDecision | None = None
+    closed_steps: int = 0  # steps in which the gate set every row to k = 0 although some wanted to draft
+    _interval: int = field(default=0, init=False, repr=False)
+    _idle: int = field(default=0, init=False, repr=False)  # steps since the batch last drafted
+
+    def decide(self, row_gammas: list[int], row_tokens: list[float | None],
+               row_acceptance: list[float | None]) -> list[int]:
+        """The draft lengths to use this step. ``row_tokens[r]``: the expected tokens row r emits with
+        ``row_gammas[r]`` drafts (None: the row has no estimate); ``row_acceptance[r]`` its mean per-draft
+        acceptance estimate, reported in the decision."""
+        rows, gamma = len(row_gammas), max(row_gammas, default=0)
+        if gamma == 0:
+            self._idle += 1
+            return self._pass(row_gammas, GateDecision(False, "rows", rows))
+        drafting = [r for r, g in enumerate(row_gammas) if g > 0]
+        accepted = [row_acceptance[r] for r in drafting if row_acceptance[r] is not None]
+        acceptance = sum(accepted) / len(accepted) if accepted else None
+        if any(row_tokens[r] is None for r in drafting):
+            return self._pass(row_gammas, GateDecision(True, "ungated", rows, acceptance=acceptance))
+        if not self.costs.measured:
+            return self._pass(row_gammas, GateDecision(True, "unmeasured", rows, acceptance=acceptance))
+        if rows > 1 and rows not in self.costs.target:  # the target alone at this size: one step measures it
+            return self._close(row_gammas, GateDecision(False, "measure", rows, acceptance=acceptance))
+        tokens = sum(1.0 if t is None else t for t in row_tokens)
+        step_cost = gamma * self.costs.draft_cost(rows) + self.costs.target.at(rows * (gamma + 1))
+        with_drafts, alone = tokens / step_cost, rows / self.costs.target.at(rows)
+        if with_drafts >= alone:
+            self._interval = 0
+            return self._pass(row_gammas, GateDecision(True, "pays", rows, with_drafts, alone, acceptance))
+        if self._idle >= max(self._interval, self.probe_every):
+            self._interval = min(max(self._interval, self.probe_every) * 2, self.max_probe_every)
+            return self._pass(row_gammas, GateDecision(True, "probe", rows, with_drafts, alone, acceptance))
+        return self._close(row_gammas, GateDecision(False, "slower", rows, with_drafts, alone, acceptance))
+
+    def _pass(self, row_gammas: list[int], decision: GateDecision) -> list[int]:
+        self.last = decision
+        if decision.open:
+            self._idle = 0
+        return row_gammas
+
+    def _close(self, row_gammas: list[int], decision: GateDecision) -> list[int]:
+        self.last = decision
+        self.closed_steps += 1
+        self._idle += 1
+        return [0] * len(row_gammas)
