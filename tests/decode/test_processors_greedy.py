@@ -17,7 +17,7 @@ NEW_TOKENS = 12
 
 
 def transformers_greedy(model, tokens: list[int], settings: dict, eos: int | None) -> list[int]:
-    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=eos)
+    kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0, "eos_token_id": eos}
     if "repetition_penalty" in settings:
         kwargs["repetition_penalty"] = settings["repetition_penalty"]
     if "logit_bias" in settings:
@@ -65,12 +65,12 @@ def test_mixed_rows_equal_transformers_generate(kind: str) -> None:
     eos = plain[1]  # the plain output's second token: min_tokens must hold it back
     settings = [
         ({}, None),
-        (dict(repetition_penalty=1.8), None),
-        (dict(repetition_penalty=0.7), None),
-        (dict(logit_bias={plain[0]: -100.0, plain[2]: 5.0}), None),
-        (dict(min_p=0.2, repetition_penalty=1.3), None),
-        (dict(min_tokens=5), eos),
-        (dict(min_tokens=3, repetition_penalty=1.5, logit_bias={eos: 2.0}), eos),
+        ({"repetition_penalty": 1.8}, None),
+        ({"repetition_penalty": 0.7}, None),
+        ({"logit_bias": {plain[0]: -100.0, plain[2]: 5.0}}, None),
+        ({"min_p": 0.2, "repetition_penalty": 1.3}, None),
+        ({"min_tokens": 5}, eos),
+        ({"min_tokens": 3, "repetition_penalty": 1.5, "logit_bias": {eos: 2.0}}, eos),
         ({}, eos),
     ]
     rows = [(prompt(6, 7 if e is not None else 7 + i % 3), s, e) for i, (s, e) in enumerate(settings)]
@@ -108,9 +108,9 @@ def test_the_draft_is_processed_as_the_target_is(kind: str) -> None:
 def test_bad_processor_settings_are_refused() -> None:
     target, partial, _ = pair("gpt2")
     decoder = SpeculativeDecoder(target, partial)
-    bad = [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")), dict(repetition_penalty=0.0),
-           dict(min_p=1.5), dict(min_tokens=-1), dict(logit_bias={-1: 1.0}), dict(logit_bias={1: "x"}),
-           dict(logit_bias={10**6: 1.0}), dict(stop_token_ids=[10**6]), dict(stop_token_ids=[True])]
+    bad = [{"presence_penalty": 2.5}, {"frequency_penalty": float("nan")}, {"repetition_penalty": 0.0},
+           {"min_p": 1.5}, {"min_tokens": -1}, {"logit_bias": {-1: 1.0}}, {"logit_bias": {1: "x"}},
+           {"logit_bias": {10**6: 1.0}}, {"stop_token_ids": [10**6]}, {"stop_token_ids": [True]}]
     for settings in bad:
         with pytest.raises(ValueError):
             decoder.generate([prompt(4, 1)], max_new_tokens=2, **settings)

@@ -75,14 +75,14 @@ def ignoring_the_draft_prefix(logits, params, prompts, generated, draft_ids):
 
 
 CASES = {
-    "presence": dict(temperature=1.0, presence_penalty=1.5),
-    "frequency": dict(temperature=1.0, frequency_penalty=2.0),
-    "repetition": dict(temperature=1.0, repetition_penalty=3.0),
-    "min_p": dict(temperature=1.0, min_p=0.15),
-    "logit_bias": dict(temperature=1.0, logit_bias={0: 1.5, 6: -100.0, 4: -1.0}),
-    "min_tokens": dict(temperature=1.0, min_tokens=2, logit_bias={3: 1.5}, stop_token_ids=[4]),
-    "combination": dict(temperature=0.8, top_k=6, top_p=0.95, min_p=0.05, presence_penalty=0.5,
-                        frequency_penalty=0.7, repetition_penalty=1.5, logit_bias={2: 1.0, 7: -2.0}),
+    "presence": {"temperature": 1.0, "presence_penalty": 1.5},
+    "frequency": {"temperature": 1.0, "frequency_penalty": 2.0},
+    "repetition": {"temperature": 1.0, "repetition_penalty": 3.0},
+    "min_p": {"temperature": 1.0, "min_p": 0.15},
+    "logit_bias": {"temperature": 1.0, "logit_bias": {0: 1.5, 6: -100.0, 4: -1.0}},
+    "min_tokens": {"temperature": 1.0, "min_tokens": 2, "logit_bias": {3: 1.5}, "stop_token_ids": [4]},
+    "combination": {"temperature": 0.8, "top_k": 6, "top_p": 0.95, "min_p": 0.05, "presence_penalty": 0.5,
+                        "frequency_penalty": 0.7, "repetition_penalty": 1.5, "logit_bias": {2: 1.0, 7: -2.0}},
 }
 
 

@@ -20,13 +20,14 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.block import verify_rows
+from ..core.logprobs import TokenLogprob, emitted_logprobs
 from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal
 from ..models.cache import CachedLM, left_pad, padded_positions
-from ..policy import CostTable, DraftGate, GammaPolicy, StepRecord
+from ..policy import CostTable, GammaPolicy, StepRecord
 from ..telemetry import GenerationStats
 
 
@@ -48,7 +49,9 @@ class Row:
     policy: GammaPolicy  # this row's draft-length policy
     on_tokens: Callable[[list[int]], None] | None = None
     verification: str = "block"  # how its sampled drafts are verified: "block" (core/block.py) or "token"
+    logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
     output: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
     error: str | None = None  # what went wrong, for reason "error"
     error_step: int | None = None  # the decode step of non-finite target logits
@@ -88,7 +91,6 @@ class DecodeBatch:
         self.target = CachedLM(target_model, check=False)
         self.target.reset(0)
         self.drafter, self.costs, self.stop_drafting = drafter, costs, stop_drafting
-        self.gate = DraftGate(costs) if costs is not None and drafter is not None else None  # k = 0 for all?
         self.device = self.target.device
         self.vocab_size = vocab_size
         self.stats = stats if stats is not None else GenerationStats()
@@ -181,9 +183,10 @@ class DecodeBatch:
         return logits[..., : self.vocab_size]
 
     def _verify(self, proposal: Proposal, draft_lengths: torch.Tensor, target_logits: torch.Tensor,
-                uniforms: torch.Tensor | None, gamma: int) -> tuple[VerifyResult, torch.Tensor]:
-        """Verify the drafts; returns the result and ``[B]`` bool, the rows whose used target logits held NaN
-        or inf (zeroed first, so verification never emits an out-of-range id)."""
+                uniforms: torch.Tensor | None, gamma: int) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
+        """Verify the drafts; returns the result, ``[B]`` bool, the rows whose used target logits held NaN
+        or inf (zeroed first, so verification never emits an out-of-range id), and the processed target logits
+        ``[B, k+1, V]`` (what logprobs are read from)."""
         k = proposal.draft_ids.shape[1]
         finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
         target_logits = torch.where(finite[..., None], target_logits, 0.0)
@@ -198,7 +201,7 @@ class DecodeBatch:
             result = verify_rows(proposal.draft_ids, proposal.draft_probs, target_probs,
                                  verify_uniforms(uniforms, gamma, k), draft_lengths, [row.verification for row in self.rows])
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
-        return result, (~finite & used).any(dim=-1)
+        return result, (~finite & used).any(dim=-1), target_logits
 
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
@@ -208,10 +211,6 @@ class DecodeBatch:
             row.policy.choose(row.max_new_tokens - len(row.output) - 1, batch_rows) if self.drafter is not None else 0
             for row in self.rows
         ]
-        if self.gate is not None:  # does drafting pay at all at this batch size? (policy/gate.py)
-            row_gammas = self.gate.decide(row_gammas, [row.policy.expected_tokens(g) for row, g in zip(self.rows, row_gammas)],
-                                          [row.policy.acceptance() for row in self.rows])
-            self.stats.record_gate(self.gate.last.to_dict(), self.gate.closed_steps)
         gamma = max(row_gammas)
         stop_below = None
         if self.stop_drafting and self.drafter is not None:
@@ -227,30 +226,49 @@ class DecodeBatch:
             target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
 
         t0 = time.perf_counter()
-        result, target_bad = self._verify(proposal, lengths, target_logits, uniforms, gamma)
+        result, target_bad, target_logits = self._verify(proposal, lengths, target_logits, uniforms, gamma)
         # The step's single host sync: everything the bookkeeping needs, in one transfer.
         host = torch.cat(
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
         ).tolist()
+        new_tokens = [h[3 : 3 + h[0] + 1] for h in host]  # per row: accepted drafts, then recovered / bonus
+        logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
         self.stats.verify_time_s += time.perf_counter() - t0
         record = StepRecord(k, [h[1] for h in host], [h[0] for h in host], self.stats.draft_time_s - draft_time,
                             self.stats.target_time_s - target_time)
         if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
             self.costs.observe(record)
-        return self._commit(record, [h[2] for h in host], [h[3 : 3 + h[0] + 1] for h in host])
+        return self._commit(record, [h[2] for h in host], new_tokens, logprobs)
 
-    def _commit(self, record: StepRecord, target_bad: list[int], new_tokens: list[list[int]]) -> list[Row]:
+    def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,
+                  new_tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
+        """Per row that asked for them, the logprobs of its new tokens (one more host transfer, only then)."""
+        asked = [row.logprobs for row in self.rows]
+        if all(n is None for n in asked):
+            return [None] * len(self.rows)
+        chosen, top_values, top_ids = emitted_logprobs(target_logits, output_ids, max(n or 0 for n in asked))
+        chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+        return [
+            None if n is None else [
+                TokenLogprob(token, chosen[b][j], list(zip(top_ids[b][j][:n], top_values[b][j][:n])))
+                for j, token in enumerate(new_tokens[b])
+            ]
+            for b, n in enumerate(asked)
+        ]
+
+    def _commit(self, record: StepRecord, target_bad: list[int], new_tokens: list[list[int]],
+                logprobs: list[list[TokenLogprob] | None]) -> list[Row]:
         self.stats.record_step(record.draft_length, [row.key for row in self.rows], record.row_draft_lengths,
                                record.row_accepted)
         now = time.perf_counter()
-        for b, (row, bad, tokens) in enumerate(zip(self.rows, target_bad, new_tokens)):
+        for b, (row, bad, tokens, entries) in enumerate(zip(self.rows, target_bad, new_tokens, logprobs)):
             row.policy.observe(record.row(b))  # acceptance: each row learns from its own block only
             row.count_step(record.row_draft_lengths[b], record.row_accepted[b])
             if bad:
                 row.error_step = self.stats.steps
                 row.fail(f"the target produced NaN or infinite logits at decode step {row.error_step}")
                 continue
-            self._emit(row, tokens, now)
+            self._emit(row, tokens, now, entries)
 
         # Roll back: each row keeps its last committed token's slot plus its accepted drafts' slots.
         self.target.rollback([n + 1 for n in record.row_accepted], record.draft_length + 1)
@@ -261,7 +279,7 @@ class DecodeBatch:
         return self._drop_finished()
 
     @staticmethod
-    def _emit(row: Row, tokens: list[int], now: float) -> None:
+    def _emit(row: Row, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> None:
         """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them. A callback that
         raises ends its own row (reason "error"), never the batch."""
         emitted = tokens[: row.max_new_tokens - len(row.output)]
@@ -271,6 +289,8 @@ class DecodeBatch:
                 row.reason = "stop"
                 break
         row.output.extend(emitted)
+        if logprobs is not None:
+            row.output_logprobs.extend(logprobs[: len(emitted)])
         if row.first_token_time is None and emitted:
             row.first_token_time = now
         if row.reason is None and len(row.output) >= row.max_new_tokens:

@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.block import check_verification
+from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
 from ..models.cache import CachedLM, model_device, model_vocab_size
@@ -57,6 +58,7 @@ class GenerateOutput:
     finish_reasons: list[str]  # per row: "stop" (EOS), "length" (max_new_tokens) or "error" (NaN logits)
     stats: GenerationStats
     seed: int | None  # the seed used (drawn from the OS when none was given and sampling is on)
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, per token (``generate(logprobs=N)``)
 
 
 def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None = None) -> int:
@@ -251,6 +253,7 @@ class SpeculativeDecoder:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
@@ -270,14 +273,16 @@ class SpeculativeDecoder:
         identical for greedy rows.
         ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
         ``min_tokens`` and ``stop_token_ids`` are ``SamplingParams``' processors: exact under speculation (each
-        position of a block sees the drafts before it).
+        position of a block sees the drafts before it). ``logprobs=N`` (0..20) fills ``output.logprobs``: each
+        token's log-probability under the target's processed logits (after penalties and bias, before
+        temperature and top-k / top-p / min-p) and the N most likely alternatives (``core/logprobs.py``).
         """
         verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)
         request = validate_request(limits, input_ids, SamplingParams(
             temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
             logit_bias or (), min_tokens, tuple(stop_token_ids)), max_new_tokens,
-                                   eos_token_id, seed, attention_mask)
+                                   eos_token_id, seed, attention_mask, logprobs)
         policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
         if drafter is None:
             policy = FixedGamma(0)
@@ -299,7 +304,8 @@ class SpeculativeDecoder:
         stats.total_time_s = time.perf_counter() - start
         stats.generated_tokens = sum(len(row.output) for row in rows)
         output = GenerateOutput(tokens=[row.output for row in rows], finish_reasons=[row.reason for row in rows],
-                                stats=stats, seed=request.seed)
+                                stats=stats, seed=request.seed,
+                                logprobs=None if logprobs is None else [row.output_logprobs for row in rows])
         errors = [row for row in rows if row.reason == "error"]
         if errors:
             raise NonFiniteLogitsError(min(row.error_step for row in errors), [row.key for row in errors], output)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.logprobs import MAX_TOP_LOGPROBS
 from ..core.sampling import SamplingParams
 from ..core.streams import row_generator
 from ..policy import GammaPolicy
@@ -44,6 +45,7 @@ class Request:
     eos_ids: frozenset[int]
     seed: int | None  # None only for greedy requests without a seed
     seeded: bool  # the caller chose the seed: its tokens must not depend on timings
+    logprobs: int | None = None  # None: none; N: each token's logprob and the top N alternatives (0..20)
 
     def rows(self, policy: GammaPolicy, keys: Sequence[int],
              on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None) -> list[Row]:
@@ -53,7 +55,7 @@ class Request:
         return [
             Row(key=key, prompt=prompt, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                 eos_ids=self.eos_ids, generator=None if self.sampling.greedy else row_generator(self.seed, b),
-                policy=policy.for_row(), on_tokens=callback)
+                policy=policy.for_row(), on_tokens=callback, logprobs=self.logprobs)
             for b, (key, prompt, callback) in enumerate(zip(keys, self.prompts, callbacks))
         ]
 
@@ -66,6 +68,7 @@ def validate_request(
     eos_token_id: int | Sequence[int] | None = None,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    logprobs: int | None = None,
 ) -> Request:
     """Check a request against ``limits`` (``sampling`` checked its own settings when it was built); raise
     ``ValueError`` naming the first problem found."""
@@ -87,10 +90,13 @@ def validate_request(
             f"maximum length ({limits.max_positions})"
             + (f": {limits.max_positions_reason}" if limits.max_positions_reason else "")
         )
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {logprobs!r}")
     seeded = seed is not None
     if seed is None and not sampling.greedy:
         seed = secrets.randbits(62)
-    return Request(prompts, sampling, max_new_tokens, eos_ids, seed, seeded)
+    return Request(prompts, sampling, max_new_tokens, eos_ids, seed, seeded, logprobs)
 
 
 def _prompts(input_ids, attention_mask: torch.Tensor | None, input_limit: int) -> list[list[int]]:

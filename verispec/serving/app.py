@@ -145,7 +145,7 @@ class Server:
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
-            sampling_options=body.sampling_options,
+            sampling_options=body.sampling_options, logprobs=body.logprobs_count,
         )
 
     def _check_characters(self, body: SamplingRequest) -> None:

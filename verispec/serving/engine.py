@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.block import check_verification
+from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
 from ..telemetry import GenerationStats
@@ -47,11 +48,13 @@ class EngineRequest:
     verification: str | None = None  # "block" or "token"; None: the decoder's
     # further SamplingParams fields: min_p, penalties, logit_bias, min_tokens, stop_token_ids
     sampling_options: Mapping[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None  # None: none; N: each token's logprob and the top N alternatives
 
 
 @dataclass
 class TokensEvent:
     tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -110,8 +113,6 @@ class Engine:
         self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
         self.accepted_per_position: list[int] = []
         self.running = 0
-        self.gate_closed_steps = 0  # steps the draft gate set to k = 0 (policy/gate.py), over every batch
-        self.gate_last: dict | None = None  # its last decision
 
     # --- public API --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,10 +137,11 @@ class Engine:
         ``on_event`` is called from the engine thread, in order."""
         sampling = SamplingParams(request.temperature, request.top_k, request.top_p, **request.sampling_options)
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
-                                 list(request.eos_token_ids), request.seed)
+                                 list(request.eos_token_ids), request.seed, logprobs=request.logprobs)
         key = next(self._keys)
-        row = valid.rows(self.decoder.policy_for(valid), [key],
-                         [lambda tokens: on_event(TokensEvent(list(tokens)))])[0]
+        row = valid.rows(self.decoder.policy_for(valid), [key])[0]
+        row.on_tokens = lambda tokens: on_event(TokensEvent(
+            list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):]))
         row.verification = check_verification(request.verification or self.decoder.verification)
         with self._cv:
             if self._stop:
@@ -163,8 +165,6 @@ class Engine:
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
-                "draft_gate_closed_steps": self.gate_closed_steps,
-                "draft_gate": self.gate_last,
             }
 
     # --- the loop ---------------------------------------------------------------------------------------
@@ -239,10 +239,7 @@ class Engine:
             self._batch.add(joining)
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
-            closed = self._batch.stats.gate_closed_steps
             finished += self._batch.step()
-            self.gate_closed_steps += self._batch.stats.gate_closed_steps - closed
-            self.gate_last = self._batch.stats.gate_last
         if not self._batch.rows:  # idle: give the drafter back
             self._close_batch()
 

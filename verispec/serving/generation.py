@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core.logprobs import TokenLogprob
 from .detokenize import TextState
 from .engine import EngineRequest, FinishEvent
 from .protocol import ApiError
@@ -20,11 +21,15 @@ from .responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     ChoiceTelemetry,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionResponse,
     Telemetry,
+    TopLogprob,
     Usage,
 )
 
@@ -50,6 +55,7 @@ class Params:
     stream: bool
     include_usage: bool
     sampling_options: dict = field(default_factory=dict)  # SamplingParams' processors (penalties, min_p, ...)
+    logprobs: int | None = None  # None: none; N: each token's logprob and N alternatives
 
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -67,6 +73,8 @@ class Choice:
     received: int = 0  # tokens received from the engine (past a stop string too)
     first_token_at: float | None = None
     cancelled: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token received, if asked
+    logprobs_sent: int = 0  # entries already streamed
 
 
 class Generation:
@@ -100,6 +108,7 @@ class Generation:
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
                     eos_token_ids=self.server.eos_token_ids, group=self.id, sampling_options=p.sampling_options,
+                    logprobs=p.logprobs,
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
                 submitted += 1
@@ -155,6 +164,7 @@ class Generation:
                 pending -= 1
                 yield choice, self._finish(choice, event), True
             else:  # TokensEvent
+                choice.logprobs += event.logprobs or []
                 delta = self._tokens(choice, list(event.tokens))
                 if delta:
                     yield choice, delta, False
@@ -232,10 +242,40 @@ class Generation:
         if self.params.chat:
             return ChatCompletionResponse(**common, choices=[
                 ChatChoice(index=c.index, message=AssistantMessage(content=c.state.text),
-                           finish_reason=c.finish_reason, stop_reason=c.state.stop) for c in self.choices])
+                           finish_reason=c.finish_reason, stop_reason=c.state.stop, logprobs=self._logprobs(c))
+                for c in self.choices])
         return CompletionResponse(**common, choices=[
             CompletionChoice(index=c.index, text=c.state.text, finish_reason=c.finish_reason,
-                             stop_reason=c.state.stop) for c in self.choices])
+                             stop_reason=c.state.stop, logprobs=self._logprobs(c)) for c in self.choices])
+
+    def _logprobs(self, choice: Choice) -> ChatLogprobs | CompletionLogprobs | None:
+        """The logprobs of the choice's tokens not sent yet, up to the last one its text needs (none past a
+        stop string), in the endpoint's shape; None when the request did not ask for them."""
+        if self.params.logprobs is None:
+            return None
+        entries = choice.logprobs[choice.logprobs_sent : choice.state.num_tokens]
+        offset = sum(len(t) for t in self._token_texts(choice.logprobs[: choice.logprobs_sent]))
+        choice.logprobs_sent += len(entries)
+        texts = self._token_texts(entries)
+        if self.params.chat:
+            return ChatLogprobs(content=[
+                ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()),
+                                 top_logprobs=[self._top(t, v) for t, v in e.top])
+                for text, e in zip(texts, entries)])
+        starts = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
+        return CompletionLogprobs(tokens=texts, token_logprobs=[e.logprob for e in entries],
+                                  top_logprobs=[{self._token_text(t): v for t, v in e.top} for e in entries],
+                                  text_offset=starts)
+
+    def _token_text(self, token: int) -> str:
+        return self.server.tokenizer.decode([token])
+
+    def _token_texts(self, entries: Sequence[TokenLogprob]) -> list[str]:
+        return [self._token_text(e.token) for e in entries]
+
+    def _top(self, token: int, logprob: float) -> TopLogprob:
+        text = self._token_text(token)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
 
     def chunk(self, choice: Choice | None, text: str | None, finished: bool, role: bool = False) -> BaseModel:
         """One streamed chunk: a piece of text for one choice, its finish, or (``choice=None``) usage."""
@@ -249,9 +289,10 @@ class Generation:
             common["verispec"] = self.choice_telemetry(choice)
         if self.params.chat:
             delta = ChatDelta(role="assistant", content="") if role else ChatDelta(content=text or None)
-            entry: BaseModel = ChatChunkChoice(index=choice.index, delta=delta, **end)
+            logprobs = None if role else self._logprobs(choice)
+            entry: BaseModel = ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs, **end)
         else:
-            entry = CompletionChoice(index=choice.index, text=text or "", **end)
+            entry = CompletionChoice(index=choice.index, text=text or "", logprobs=self._logprobs(choice), **end)
         return kind(**common, choices=[entry])
 
 

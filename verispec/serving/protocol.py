@@ -31,6 +31,7 @@ from .config import MAX_CHOICES
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
 
 
@@ -202,8 +203,6 @@ def _no_effect(value: Any) -> bool:
 
 # Fields this server does not implement, and the values that change nothing (accepted as if absent).
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "logprobs": lambda v: v is None,
-    "top_logprobs": lambda v: v in (None, 0),
     "echo": _no_effect,
     "suffix": _no_effect,
     "ignore_eos": _no_effect,
@@ -234,8 +233,12 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     best_of: Any = Field(None, description="Not supported: refused unless absent, 1 or n.")
-    logprobs: Any = _UNSUPPORTED_FIELD
-    top_logprobs: Any = _UNSUPPORTED_FIELD
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | bool | None = Field(
+        None, description="Completions: an integer N, each token's logprob and the N most likely alternatives. "
+        "Chat: true for each token's logprob (top_logprobs for alternatives). From the target's logits after "
+        "penalties and logit_bias, before temperature and top-k / top-p / min-p.")
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        None, description="Chat: alternatives per token (needs logprobs: true).")
     echo: Any = _UNSUPPORTED_FIELD
     suffix: Any = _UNSUPPORTED_FIELD
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = Field(
@@ -317,6 +320,11 @@ class SamplingRequest(BaseModel):
         return tuple(dict.fromkeys(s for s in stops if s))  # empty strings stop nothing
 
     @property
+    def logprobs_count(self) -> int | None:
+        """Alternatives per token asked for (None: no logprobs); completions take ``logprobs: N``."""
+        return None if self.logprobs is None or isinstance(self.logprobs, bool) else self.logprobs
+
+    @property
     def sampling_options(self) -> dict[str, Any]:
         """The processors asked for, as ``SamplingParams`` fields (absent ones left at their defaults)."""
         options = {name: getattr(self, name) for name in
@@ -338,6 +346,14 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Prompt = Field(description="Text, texts, token ids, or lists of token ids (one completion each).")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _logprobs_count(cls, value: int | bool | None) -> int | bool | None:
+        if isinstance(value, bool):
+            raise PydanticCustomError("invalid_type", f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] "
+                                      "in the completions API")
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -362,11 +378,24 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Overrides max_tokens.")
 
+    @field_validator("logprobs")
     @classmethod
-    def _no_effect(cls, name: str) -> Callable[[Any], bool]:
-        if name == "logprobs":  # a boolean in the chat API
-            return lambda v: v in (None, False)
-        return UNSUPPORTED[name]
+    def _logprobs_flag(cls, value: int | bool | None) -> int | bool | None:
+        if value is not None and not isinstance(value, bool):
+            raise PydanticCustomError("invalid_type", "'logprobs' must be true or false in the chat API "
+                                      "(top_logprobs gives the number of alternatives)")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and info.data.get("logprobs") is not True:
+            raise PydanticCustomError("invalid_value", "'top_logprobs' needs 'logprobs': true")
+        return value
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs is True else None
 
     @property
     def token_limit(self) -> tuple[str, int | None]:

@@ -48,9 +48,43 @@ class Telemetry(SpeculativeStats):
     choices: list[ChoiceTelemetry] | None = Field(**_OMITTED_IF_NONE)
 
 
+LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative reads as this (vLLM's convention)
+
+
+def _logprob(value: float) -> float:
+    return max(LOWEST_LOGPROB, value)
+
+
+Logprob = Annotated[float, AfterValidator(_logprob)]
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's completions shape: parallel lists, one entry per token of the returned text."""
+
+    tokens: list[str]
+    token_logprobs: list[Logprob]
+    top_logprobs: list[dict[str, Logprob]] = Field(description="The N most likely tokens at each position.")
+    text_offset: list[int] = Field(description="Where each token's text starts in the returned text.")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat shape."""
+
+    content: list[ChatTokenLogprob]
+
+
 class _Choice(BaseModel):
     index: int
-    logprobs: None = None
     finish_reason: FinishReason | None = Field(None, description="Set when the choice is complete.")
     stop_reason: str | None = Field(None, description="The stop string that ended the text, if one did.")
 
@@ -59,6 +93,7 @@ class CompletionChoice(_Choice):
     """A choice of a completion, or a piece of its text in a streamed chunk."""
 
     text: str
+    logprobs: CompletionLogprobs | None = None
 
 
 class AssistantMessage(BaseModel):
@@ -68,6 +103,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(_Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatDelta(BaseModel):
@@ -77,6 +113,7 @@ class ChatDelta(BaseModel):
 
 class ChatChunkChoice(_Choice):
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
 
 
 class _Body(BaseModel):
