@@ -27,7 +27,7 @@ from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal
 from ..models.cache import CachedLM, left_pad, padded_positions
-from ..policy import CostTable, GammaPolicy, StepRecord
+from ..policy import CostTable, DraftGate, GammaPolicy, StepRecord
 from ..telemetry import GenerationStats
 
 
@@ -91,6 +91,7 @@ class DecodeBatch:
         self.target = CachedLM(target_model, check=False)
         self.target.reset(0)
         self.drafter, self.costs, self.stop_drafting = drafter, costs, stop_drafting
+        self.gate = DraftGate(costs) if costs is not None and drafter is not None else None  # k = 0 for all?
         self.device = self.target.device
         self.vocab_size = vocab_size
         self.stats = stats if stats is not None else GenerationStats()
@@ -211,6 +212,10 @@ class DecodeBatch:
             row.policy.choose(row.max_new_tokens - len(row.output) - 1, batch_rows) if self.drafter is not None else 0
             for row in self.rows
         ]
+        if self.gate is not None:  # does drafting pay at all at this batch size? (policy/gate.py)
+            row_gammas = self.gate.decide(row_gammas, [row.policy.expected_tokens(g) for row, g in zip(self.rows, row_gammas)],
+                                          [row.policy.acceptance() for row in self.rows])
+            self.stats.record_gate(self.gate.last.to_dict(), self.gate.closed_steps)
         gamma = max(row_gammas)
         stop_below = None
         if self.stop_drafting and self.drafter is not None:

@@ -113,6 +113,8 @@ class Engine:
         self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
         self.accepted_per_position: list[int] = []
         self.running = 0
+        self.gate_closed_steps = 0  # steps the draft gate set to k = 0 (policy/gate.py), over every batch
+        self.gate_last: dict | None = None  # its last decision
 
     # --- public API --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +167,8 @@ class Engine:
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
+                "draft_gate_closed_steps": self.gate_closed_steps,
+                "draft_gate": self.gate_last,
             }
 
     # --- the loop ---------------------------------------------------------------------------------------
@@ -239,7 +243,10 @@ class Engine:
             self._batch.add(joining)
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
+            closed = self._batch.stats.gate_closed_steps
             finished += self._batch.step()
+            self.gate_closed_steps += self._batch.stats.gate_closed_steps - closed
+            self.gate_last = self._batch.stats.gate_last
         if not self._batch.rows:  # idle: give the drafter back
             self._close_batch()
 
