@@ -146,6 +146,8 @@ class Server:
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
             sampling_options=body.sampling_options, logprobs=body.logprobs_count,
+            num_draft_tokens=body.verispec and body.verispec.num_draft_tokens,
+            verification=body.verispec and body.verispec.verification,
         )
 
     def _check_characters(self, body: SamplingRequest) -> None:

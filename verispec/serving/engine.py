@@ -49,6 +49,7 @@ class EngineRequest:
     # further SamplingParams fields: min_p, penalties, logit_bias, min_tokens, stop_token_ids
     sampling_options: Mapping[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; N: each token's logprob and the top N alternatives
+    num_draft_tokens: int | str | None = None  # None: the decoder's; 0: no drafting; an int or "auto"
 
 
 @dataclass
@@ -141,7 +142,7 @@ class Engine:
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
                                  list(request.eos_token_ids), request.seed, logprobs=request.logprobs)
         key = next(self._keys)
-        row = valid.rows(self.decoder.policy_for(valid), [key])[0]
+        row = valid.rows(self.decoder.policy_for(valid, num_draft_tokens=request.num_draft_tokens), [key])[0]
         row.on_tokens = lambda tokens: on_event(TokensEvent(
             list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):]))
         row.verification = check_verification(request.verification or self.decoder.verification)

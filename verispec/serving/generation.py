@@ -56,6 +56,8 @@ class Params:
     include_usage: bool
     sampling_options: dict = field(default_factory=dict)  # SamplingParams' processors (penalties, min_p, ...)
     logprobs: int | None = None  # None: none; N: each token's logprob and N alternatives
+    num_draft_tokens: int | str | None = None  # the request's ``verispec.draft``: None is the server's
+    verification: str | None = None  # the request's ``verispec.verification``: None is the server's
 
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -108,7 +110,7 @@ class Generation:
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
                     eos_token_ids=self.server.eos_token_ids, group=self.id, sampling_options=p.sampling_options,
-                    logprobs=p.logprobs,
+                    logprobs=p.logprobs, num_draft_tokens=p.num_draft_tokens, verification=p.verification,
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
                 submitted += 1

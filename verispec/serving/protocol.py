@@ -32,6 +32,7 @@ MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
+MAX_DRAFT_TOKENS = 64
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
 
 
@@ -197,6 +198,23 @@ class StreamOptions(BaseModel):
 # -------------------------------------------------------------------------------------------- requests
 
 
+class SpeculationOptions(BaseModel):
+    """The ``verispec`` extension object of a request: speculation for this request only. The output's law
+    is the same whatever is chosen; only speed differs."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    draft: Literal["off", "auto"] | Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = Field(
+        None, description="'off' (or 0): the target alone; 'auto': the cost model; an integer: that many drafts "
+        "per step. Default: the server's --num-draft-tokens.")
+    verification: Literal["block", "token"] | None = Field(
+        None, description="How sampled drafts are verified; default: the server's.")
+
+    @property
+    def num_draft_tokens(self) -> int | str | None:
+        return 0 if self.draft == "off" else self.draft
+
+
 def _no_effect(value: Any) -> bool:
     return not value
 
@@ -231,6 +249,7 @@ class SamplingRequest(BaseModel):
     stop: Stop | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings; the text ends before the first.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    verispec: SpeculationOptions | None = Field(None, description="Extension: speculation for this request.")
     user: str | None = None
     best_of: Any = Field(None, description="Not supported: refused unless absent, 1 or n.")
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | bool | None = Field(
