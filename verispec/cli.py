@@ -1,5 +1,5 @@
-"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command), ``serve``
-(an OpenAI-compatible HTTP server)."""
+"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command), ``batch`` (an
+offline job over a file of prompts), ``serve`` (an OpenAI-compatible HTTP server)."""
 
 from __future__ import annotations
 
@@ -189,6 +189,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return code
 
 
+def cmd_batch(args: argparse.Namespace) -> int:
+    """An offline job: every row of --input generated into --output (resumable), in-process or on Ray Data."""
+    from .offline import JobDefaults, run_batch
+
+    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
+    defaults = JobDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                           top_k=args.top_k, seed=args.seed)
+    summary = run_batch(args.target, args.draft, input_path=args.input, output_path=args.output, workers=args.workers,
+                        batch_size=args.batch_size, defaults=defaults, progress=not args.no_progress,
+                        ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
+                        gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
+                        draft_quant=args.draft_quant, num_draft_tokens=gamma, stop_drafting=args.stop_drafting)
+    _log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
+         f"{summary.errors} errors, {summary.rows} in the input)")
+    return 0
+
+
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
     parser.add_argument("--draft", default=draft_default, help="zoo name, folder, .gguf path, 'ngram' or 'none'")
@@ -260,6 +277,29 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(max_new_tokens=64)
     demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
     demo.set_defaults(func=cmd_demo)
+
+    bat = sub.add_parser("batch", help="offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)")
+    _add_model_args(bat, draft_default="qwen2.5-coder-0.5b")
+    bat.set_defaults(num_draft_tokens="heuristic")  # timing-free: every run decodes the same blocks
+    bat.add_argument("--input", required=True, help="JSONL or .parquet rows: prompt or messages, max_tokens, "
+                                                    "temperature, top_p, top_k, seed; other fields kept as they are")
+    bat.add_argument("--output", required=True, help="JSONL: the input rows plus the completions (rows already "
+                                                     "there are skipped, so a killed job resumes)")
+    bat.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="Ray Data actors, each holding the models (default: decode in-process)")
+    bat.add_argument("--batch-size", type=int, default=16, metavar="B",
+                     help="consecutive input rows decoded together (16); keep it when resuming")
+    bat.add_argument("--temperature", type=float, default=0.0, help="for rows without one: 0 = greedy (default)")
+    bat.add_argument("--top-p", type=float, default=None)
+    bat.add_argument("--top-k", type=int, default=None)
+    bat.add_argument("--seed", type=int, default=None,
+                     help="job seed: a sampled row without its own seed samples with one derived from it and its index")
+    bat.add_argument("--ray-address", default=None, metavar="A",
+                     help="a Ray cluster to run the workers on (default: a local Ray instance on loopback)")
+    bat.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C")
+    bat.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G")
+    bat.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bat.set_defaults(func=cmd_batch)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
     _add_model_args(srv, draft_default="qwen2.5-coder-0.5b")
