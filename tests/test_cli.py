@@ -111,7 +111,6 @@ def test_prompt_from_stdin(models, capsys, monkeypatch) -> None:
         (["--num-draft-tokens", "many"], "--num-draft-tokens"),
         (["--num-draft-tokens", "0"], "num_draft_tokens"),
         (["--temperature", "-1"], "temperature"),
-        (["--draft", "OTHER"], "tokenizers differ"),
     ],
 )
 def test_errors_are_one_line_without_traceback(models, capsys, argv, message) -> None:
@@ -124,6 +123,12 @@ def test_errors_are_one_line_without_traceback(models, capsys, argv, message) ->
     assert code == 2
     assert message in err and "Traceback" not in err
     assert len(err.strip().splitlines()) >= 1 and err.strip().splitlines()[-1].startswith("verispec: error:")
+
+
+def test_a_draft_with_another_tokenizer_drafts_through_text(models, capsys) -> None:
+    code, out, _ = run(capsys, "generate", "--target", models["target"], "--draft", models["other"], "--prompt",
+                       "def x", "--max-new-tokens", "4", "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"] == 2
 
 
 def test_debug_shows_the_traceback(models) -> None:

@@ -244,15 +244,22 @@ def test_bad_options_fail_before_loading_anything(code_models: dict[str, str], k
     assert msgs == []
 
 
-def test_unknown_name_and_tokenizer_mismatch_are_load_errors(code_models: dict[str, str]) -> None:
+def test_unknown_name_is_a_load_error_and_another_tokenizer_drafts_through_text(code_models: dict[str, str]) -> None:
+    from verispec.drafters import CrossTokenizerDrafter
+    from verispec.models.loading import check_same_tokenizer
+
     with pytest.raises(LoadError) as error:
         verispec.load("no-such-model")
     assert isinstance(error.value, ValueError)
     assert "'no-such-model'" in str(error.value)
     for name in zoo.ZOO:
         assert name in str(error.value)
+    decoder, tokenizer = verispec.load(code_models["target"], code_models["other"], num_draft_tokens=3)
+    assert isinstance(decoder.drafter, CrossTokenizerDrafter)
+    ids = tokenizer("def x ( y ) : return x + y")["input_ids"]
+    assert decoder.generate([ids], max_new_tokens=8).tokens == decoder.generate([ids], max_new_tokens=8, draft=None).tokens
     with pytest.raises(LoadError, match=r"tokenizers differ .*4 map differently.*same model family"):
-        verispec.load(code_models["target"], code_models["other"])
+        check_same_tokenizer(tokenizer, decoder.drafter.draft_tokenizer)
     with pytest.raises(LoadError, match="does not exist"):
         verispec.load(code_models["target"], "/no/such/draft")
 

@@ -17,7 +17,7 @@ def test_block_verified_pairs_follow_the_target_law() -> None:
     """3000 rows of one prompt, blocks of 3 drafts (the budget of 4 tokens allows 3), the first two tokens'
     joint law; the same seed with token-wise verification gives other tokens (the call's setting is used).
     Temperatures 0.5 / 1 / 2 with top-k and top-p are tested on the verifier itself (test_block_law.py)."""
-    settings = dict(temperature=0.5, top_k=4)
+    settings = {"temperature": 0.5, "top_k": 4}
     target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
     draft = build("qwen2", seed=4, vocab_size=SMALL_VOCAB)
     context = [1, 5, 2]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import verispec.core.block as block
+from verispec.core import block
 from verispec.core.block import block_next_probs, block_weights, verify_block
 from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.core.verify import acceptance_probs
@@ -36,7 +36,7 @@ WARPERS = {
 def broken_weights(draft_ids, draft_probs, target_probs, lengths):
     """A plausible bug: test every prefix with its running weight p_i, as if each were the block's last draft
     (h_i = p_i), forgetting the residual mass that block verification weighs it against."""
-    h, weights = block_weights(draft_ids, draft_probs, target_probs, lengths)
+    _, weights = block_weights(draft_ids, draft_probs, target_probs, lengths)
     positions = torch.arange(draft_ids.shape[1])[None]
     return torch.where(positions < lengths[:, None], weights[:, 1:], 0.0), weights
 

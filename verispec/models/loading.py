@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     from ..decode import SpeculativeDecoder
 
-__all__ = ["LoadError", "check_same_tokenizer", "load", "load_model"]
+__all__ = ["LoadError", "check_same_tokenizer", "load", "load_model", "same_tokenizer"]
 
 DRAFT_QUANTS = ("int4", "int8", "none")
 
@@ -56,8 +56,14 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device
         raise LoadError(f"cannot load model {name_or_path!r}: {error}") from error
 
 
+def same_tokenizer(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether two tokenizers map every token string to the same id (one vocabulary)."""
+    return target_tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+
+
 def check_same_tokenizer(target_tokenizer: PreTrainedTokenizerBase, draft_tokenizer: PreTrainedTokenizerBase) -> None:
-    """Speculative decoding needs one vocabulary; refuse tokenizers that map text differently."""
+    """Refuse tokenizers that map text differently (for callers that need one vocabulary; ``load`` pairs such a
+    draft through text instead, with a ``CrossTokenizerDrafter``)."""
     target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if target_vocab == draft_vocab:
         return
@@ -116,13 +122,16 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
     ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
 
-    Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device, a model that cannot be found or loaded,
-    and a draft whose tokenizer differs from the target's; ``ValueError`` for a bad ``draft_quant`` or
+    A draft whose tokenizer differs from the target's drafts text through a ``CrossTokenizerDrafter`` (its text
+    re-tokenised for the target, verified as one-hot drafts: exact, greedy and sampled).
+
+    Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device and a model that cannot be found or
+    loaded; ``ValueError`` for a bad ``draft_quant`` or
     ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options are checked before any model
     is loaded.
     """
     from ..decode import SpeculativeDecoder
-    from ..drafters import NGramDrafter
+    from ..drafters import CrossTokenizerDrafter, NGramDrafter
 
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
@@ -139,9 +148,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     elif draft not in (None, "none"):
         say(progress, f"draft: {draft}")
         draft_model, draft_tokenizer = load_model(draft, torch_dtype, torch_device, progress)
-        check_same_tokenizer(tokenizer, draft_tokenizer)
         if fast:
             draft_model = _fast_draft(draft_model, draft_quant, progress)
+        if not same_tokenizer(tokenizer, draft_tokenizer):
+            say(progress, "draft: another tokenizer: its text is re-tokenised for the target (one-hot drafts, exact)")
+            drafter, draft_model = CrossTokenizerDrafter(draft_model, draft_tokenizer, tokenizer), None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
     return decoder, tokenizer

@@ -1,0 +1,147 @@
+"""A draft model with a tokenizer of its own (universal assisted generation, in batches).
+
+Each step, per row: the committed target tokens are decoded to text and encoded with the draft's tokenizer;
+the draft's cache keeps the longest prefix of what it already holds that still matches (re-tokenising new text
+can change the last few draft tokens), is fed the rest, and drafts ``k + 2`` tokens greedily; their text is
+encoded with the target's tokenizer (together with the last committed target token, so that a word split across
+the boundary is tokenised as the target would) and the first ``k`` target tokens are the proposal.
+
+Exact for any pair of tokenizers: the proposal is a deterministic function of the committed tokens (no draw of
+this step enters it), so it is verified as a one-hot draft (``draft_probs=None``): greedy output is the
+target's own, sampled tokens follow the target's distribution (token-wise and block verification alike).
+Acceptance is the only thing the tokenizers' mismatch can cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..core.sampling import SamplingParams
+from ..models.cache import CachedLM, left_pad, model_vocab_size, padded_positions
+from .base import Drafter, Proposal
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class CrossTokenizerDrafter(Drafter):
+    """``draft_model`` with its own ``draft_tokenizer`` proposing tokens of ``target_tokenizer``.
+
+    ``extra_draft_tokens``: draft tokens generated beyond k (tokenizers cut text differently, so k draft tokens
+    may cover fewer than k target tokens)."""
+
+    def __init__(self, draft_model: PreTrainedModel, draft_tokenizer: PreTrainedTokenizerBase,
+                 target_tokenizer: PreTrainedTokenizerBase, extra_draft_tokens: int = 2) -> None:
+        self.model = draft_model
+        self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
+        self.extra_draft_tokens = extra_draft_tokens
+        self.lm = CachedLM(draft_model)
+        self.draft_vocab = min(len(draft_tokenizer), model_vocab_size(draft_model))
+        self.calls = 0
+
+    def fork(self) -> CrossTokenizerDrafter:
+        return CrossTokenizerDrafter(self.model, self.draft_tokenizer, self.target_tokenizer, self.extra_draft_tokens)
+
+    def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
+              vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.lm.reset(0)
+        self.committed: list[list[int]] = []  # per row: the target tokens committed so far
+        self.fed: list[list[int]] = []  # per row: the draft tokens in the draft's cache (its valid slots, in order)
+        self.add_rows(prompts, [])
+
+    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        """New rows start with an empty draft cache: their prompt is fed at their first proposal."""
+        self.committed += [list(p) for p in prompts]
+        self.fed += [[] for _ in prompts]
+        empty = CachedLM(self.model, check=False)
+        empty.reset(len(prompts))
+        self.lm.append_rows(empty)
+
+    def _forget(self, row: int, count: int) -> None:
+        """Drop the last ``count`` tokens of ``row`` from the draft's cache (their slots become holes)."""
+        if count <= 0:
+            return
+        valid = self.lm.slot_mask[row].nonzero().squeeze(-1)  # [n] slot indices, in order
+        self.lm.slot_mask[row, valid[-count:]] = False
+        del self.fed[row][-count:]
+
+    def _compact(self) -> None:
+        """Gather valid slots once holes take more than a third of the cache (as ``CachedLM`` does itself)."""
+        longest = int(self.lm.slot_mask.sum(dim=1).max()) if self.lm.batch_size else 0
+        if self.lm.num_slots > 1.5 * longest + 8:
+            self.lm.compact()
+
+    def _sync(self) -> list[list[int]]:
+        """Bring every row's draft cache in line with its committed text; returns the tokens to feed per row."""
+        to_feed = []
+        for row, committed in enumerate(self.committed):
+            text = self.target_tokenizer.decode(committed)
+            draft_ids = self.draft_tokenizer.encode(text, add_special_tokens=False) or [0]
+            keep = min(_common_prefix(self.fed[row], draft_ids), len(draft_ids) - 1)  # feed >= 1 token for logits
+            self._forget(row, len(self.fed[row]) - keep)
+            to_feed.append(draft_ids[keep:])
+        self._compact()
+        return to_feed
+
+    def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
+        """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts``."""
+        out = []
+        for row, context in enumerate(contexts):
+            before = self.draft_tokenizer.decode(context)
+            full = self.draft_tokenizer.decode(context + draft_ids[row].tolist())
+            out.append(full[len(before):] if full.startswith(before) else self.draft_tokenizer.decode(draft_ids[row]))
+        return out
+
+    def _target_tokens(self, row: int, text: str, k: int) -> list[int]:
+        """The first ``k`` target tokens of ``text`` continuing row ``row``'s committed tokens."""
+        last = self.committed[row][-1:]
+        joined = self.target_tokenizer.encode(self.target_tokenizer.decode(last) + text, add_special_tokens=False)
+        ids = joined[1:] if joined[:1] == last else self.target_tokenizer.encode(text, add_special_tokens=False)
+        return [t for t in ids if t < self.vocab_size][:k]
+
+    @torch.inference_mode()
+    def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
+                stop_below: Sequence[float] | None = None) -> Proposal:
+        k, rows = num_draft_tokens, len(self.committed)
+        ids, mask = left_pad(self._sync())  # [B, w]
+        first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
+        logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1, : self.draft_vocab]  # [B, V_d]
+        self.calls += 1
+        for row in range(rows):
+            self.fed[row] += ids[row][mask[row]].tolist()
+        contexts = [list(f) for f in self.fed]  # the committed text, in draft tokens
+        drafted = [logits.argmax(dim=-1)]  # [B] each
+        for _ in range(k + self.extra_draft_tokens - 1):
+            step = drafted[-1][:, None]  # [B, 1]
+            positions = torch.tensor([[len(f)] for f in self.fed])  # [B, 1]
+            logits = self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), positions, 1)[:, -1, : self.draft_vocab]
+            self.calls += 1
+            for row in range(rows):
+                self.fed[row].append(int(step[row, 0]))
+            drafted.append(logits.argmax(dim=-1))
+        draft_ids = torch.stack(drafted, dim=1)  # [B, k + extra]; the last one is not in the cache
+        texts = self._draft_text(contexts, draft_ids)
+        proposals = [self._target_tokens(row, text, k) for row, text in enumerate(texts)]
+        lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long)  # [B]
+        width = int(lengths.max()) if rows else 0
+        target_ids = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long)  # [B, width]
+        return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths)
+
+    def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        for row, tokens in enumerate(new_tokens):
+            self.committed[row] += tokens
+
+    def select_rows(self, rows: list[int]) -> None:
+        self.lm.select_rows(rows)
+        self.committed = [self.committed[r] for r in rows]
+        self.fed = [self.fed[r] for r in rows]
