@@ -77,3 +77,13 @@ def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int
     if len(sampling) != batch_size:
         raise ValueError(f"{len(sampling)} sampling params for {batch_size} rows")
     return sampling
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

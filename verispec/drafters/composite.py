@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.sampling import SamplingParams
-from .base import Drafter, Proposal
+from .base import Drafter, Proposal, common_prefix
 from .ngram import NGramDrafter, lookup_proposal
 
 
@@ -95,7 +95,7 @@ class CompositeDrafter(Drafter):
             self.fallback.update([0] * len(new_tokens), new_tokens)
             return
         own_accepted = [
-            min(_common_prefix(drafts, tokens), len(tokens) - 1)
+            min(common_prefix(drafts, tokens), len(tokens) - 1)
             for drafts, tokens in zip(self._fallback_ids, new_tokens)
         ]
         self.fallback.update(own_accepted, new_tokens)
@@ -114,10 +114,3 @@ def _pad_columns(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:
     return torch.cat([values, pad], dim=1)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

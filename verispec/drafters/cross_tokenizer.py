@@ -21,16 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, model_vocab_size, padded_positions
-from .base import Drafter, Proposal
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from .base import Drafter, Proposal, common_prefix
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -87,7 +78,7 @@ class CrossTokenizerDrafter(Drafter):
         for row, committed in enumerate(self.committed):
             text = self.target_tokenizer.decode(committed)
             draft_ids = self.draft_tokenizer.encode(text, add_special_tokens=False) or [0]
-            keep = min(_common_prefix(self.fed[row], draft_ids), len(draft_ids) - 1)  # feed >= 1 token for logits
+            keep = min(common_prefix(self.fed[row], draft_ids), len(draft_ids) - 1)  # feed >= 1 token for logits
             self._forget(row, len(self.fed[row]) - keep)
             to_feed.append(draft_ids[keep:])
         self._compact()
@@ -107,7 +98,8 @@ class CrossTokenizerDrafter(Drafter):
         last = self.committed[row][-1:]
         joined = self.target_tokenizer.encode(self.target_tokenizer.decode(last) + text, add_special_tokens=False)
         ids = joined[1:] if joined[:1] == last else self.target_tokenizer.encode(text, add_special_tokens=False)
-        return [t for t in ids if t < self.vocab_size][:k]
+        real = [t < self.vocab_size for t in ids] + [False]
+        return ids[: min(real.index(False), k)]  # cut at the first id the target cannot emit
 
     @torch.inference_mode()
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
