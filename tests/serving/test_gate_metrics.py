@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from serving_support import parse_metrics
 
 from verispec.policy import GateDecision
@@ -24,3 +25,29 @@ def test_no_decision_yet() -> None:
     samples = parse_metrics(Metrics(lambda: {"running": 0, "waiting": 0}, lambda: 0).render().decode())
     assert samples["verispec_draft_gate_closed_steps_total"] == 0
     assert "verispec_draft_gate_open" not in samples
+
+
+def test_the_engine_reports_its_gate_and_requests_choose_their_verifier() -> None:
+    import threading
+
+    from tiny_models import pair, prompt
+
+    from verispec import SpeculativeDecoder
+    from verispec.serving.engine import Engine, EngineRequest, FinishEvent
+
+    target, draft, _ = pair("qwen2")
+    engine = Engine(SpeculativeDecoder(target, draft), max_batch_size=4)  # "auto": the cost model and its gate
+    engine.start()
+    try:
+        done = [threading.Event() for _ in range(3)]
+        for i, verification in enumerate(("block", "token", None)):
+            engine.submit(EngineRequest(prompt(4, i), max_new_tokens=12, temperature=0.8, verification=verification),
+                          lambda event, i=i: isinstance(event, FinishEvent) and done[i].set())
+        assert all(d.wait(120) for d in done)
+        snapshot = engine.metrics()
+        assert snapshot["draft_gate"]["reason"] in {"pays", "slower", "measure", "probe", "unmeasured", "rows"}
+        assert snapshot["draft_gate_closed_steps"] >= 0
+        with pytest.raises(ValueError, match="verification"):
+            engine.submit(EngineRequest(prompt(4, 0), max_new_tokens=2, verification="blocks"), lambda event: None)
+    finally:
+        engine.shutdown()
