@@ -176,6 +176,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
         max_request_tokens=args.max_request_tokens, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout)
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_on_ray(args, options)
     decoder, tokenizer = build_decoder(args)
     code = serve(decoder, tokenizer, model_name=args.model_name or default_model_name(args.target), host=args.host,
                  port=args.port, max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
@@ -204,6 +206,46 @@ def cmd_batch(args: argparse.Namespace) -> int:
     _log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, options) -> int:
+    """``serve --replicas N``: the same app on Ray Serve; each replica loads the models itself."""
+    try:
+        from .serving.ray import ReplicaSpec, Scaling, deploy
+    except ImportError as error:
+        raise CliError(f"--replicas and --ray-address need Ray Serve (pip install 'verispec[ray]'): {error}") from error
+    from .serving.config import default_model_name
+
+    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
+    spec = ReplicaSpec(
+        target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
+        load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
+                      "num_draft_tokens": gamma, "stop_drafting": args.stop_drafting},
+        max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
+        max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
+    scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                      cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                      max_ongoing_requests=args.max_ongoing_requests)
+    _log(f"deploying {scaling.replicas} replica(s) of {spec.model_name} on Ray Serve "
+         f"({args.ray_address or 'a local Ray instance'}); http://{args.host}:{args.port}/v1")
+    deploy(spec, scaling, host=args.host, port=args.port, ray_address=args.ray_address)
+    return 0
+
+
+def _add_ray_serve_args(srv: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve (README: *Scaling out on Ray*)."""
+    srv.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="serve N replicas on Ray Serve, each with its own engine and models (default: one process, "
+                          "no Ray)")
+    srv.add_argument("--ray-address", default=None, metavar="A",
+                     help="join this Ray cluster (default with --replicas: a local Ray instance on loopback)")
+    srv.add_argument("--min-replicas", type=int, default=None, metavar="N", help="autoscaling lower bound")
+    srv.add_argument("--max-replicas", type=int, default=None, metavar="N", help="autoscaling upper bound")
+    srv.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C")
+    srv.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                     help="HTTP requests one replica takes at once; the rest wait in Ray's queue for any replica "
+                          "(default: --max-batch-size)")
 
 
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
@@ -314,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt + generated tokens per request (default: the model's maximum length)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
     _add_serve_security_args(srv)
+    _add_ray_serve_args(srv)
     srv.set_defaults(func=cmd_serve)
     return parser
 

@@ -91,6 +91,7 @@ def test_the_batch_a_row_lands_in_does_not_change_its_tokens(job, tmp_path) -> N
     assert [decoded(alone[i]) for i in range(16)] == [decoded(job["reference"][i]) for i in range(16)]
 
 
+@pytest.mark.ray
 def test_two_ray_workers_write_the_in_process_rows(job, local_ray, tmp_path) -> None:
     out = tmp_path / "ray.jsonl"
     summary = run_batch(job["target"], job["draft"], input_path=job["input"], output_path=out, workers=2,
@@ -115,6 +116,7 @@ def _lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.ray
 def test_a_ray_worker_killed_mid_job_is_replaced_and_no_row_is_lost(job, local_ray, tmp_path) -> None:
     """SIGKILL one worker once the job has written rows: Ray restarts the actor and retries its group."""
     import threading

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
 from ..models import eos_token_ids
@@ -68,15 +69,12 @@ def log_config() -> dict:
     return config
 
 
-def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch_size: int = 32, max_rows_per_request: int | None = None, max_context: int | None = None,
-          default_max_tokens: int | None = None, options: ServerOptions | None = None, log_level: str = "info",
-          say: Callable[[str], None] | None = None) -> int:
-    """Serve ``decoder`` over HTTP until a signal ends it (``verispec serve`` after loading the models); returns
-    0, or 1 when a second signal cut the shutdown short. ``max_rows_per_request``: the most batch slots one HTTP
-    request's choices hold (default: half the batch)."""
-    options = options or ServerOptions()
-    say = say or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
+def build_app(decoder, tokenizer, *, model_name: str, max_batch_size: int = 32, max_rows_per_request: int | None = None,
+              max_context: int | None = None, default_max_tokens: int | None = None,
+              options: ServerOptions | None = None) -> tuple[FastAPI, Engine]:
+    """The app and its engine (not started) as ``serve`` runs them: one process's server, or one Ray Serve
+    replica's. ``max_rows_per_request``: the most batch slots one HTTP request's choices hold (default: half the
+    batch); ``max_context``: at most the model's own maximum length."""
     context = decoder.max_positions or max_context
     if context is None:
         raise ValueError("the model does not say its maximum length; give --max-context")
@@ -87,6 +85,22 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
     app = create_app(engine, tokenizer, model_name, context,
                      eos_token_ids=eos_token_ids(tokenizer, decoder.target_model),
                      default_max_tokens=default_max_tokens, options=options)
+    return app, engine
+
+
+def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          max_batch_size: int = 32, max_rows_per_request: int | None = None, max_context: int | None = None,
+          default_max_tokens: int | None = None, options: ServerOptions | None = None, log_level: str = "info",
+          say: Callable[[str], None] | None = None) -> int:
+    """Serve ``decoder`` over HTTP until a signal ends it (``verispec serve`` after loading the models); returns
+    0, or 1 when a second signal cut the shutdown short. ``max_rows_per_request``: the most batch slots one HTTP
+    request's choices hold (default: half the batch)."""
+    options = options or ServerOptions()
+    say = say or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
+    app, engine = build_app(decoder, tokenizer, model_name=model_name, max_batch_size=max_batch_size,
+                            max_rows_per_request=max_rows_per_request, max_context=max_context,
+                            default_max_tokens=default_max_tokens, options=options)
+    context, rows = app.state.verispec.max_context, engine.max_rows_per_group
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(),
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
     server = DrainingServer(config, engine, options.shutdown_timeout)
