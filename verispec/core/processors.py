@@ -14,7 +14,8 @@ Order (transformers' ``generate`` for the ones it has, then OpenAI's penalties, 
 3. ``frequency_penalty`` / ``presence_penalty`` (OpenAI): ``logit[t] -= f * count[t] + r * (count[t] > 0)``
    with ``count`` over the generated tokens only (not the prompt);
 4. ``min_tokens``: ``stop_token_ids`` get ``-inf`` while fewer than ``min_tokens`` tokens were generated
-   (transformers' ``MinNewTokensLengthLogitsProcessor``).
+   (transformers' ``MinNewTokensLengthLogitsProcessor``);
+5. a grammar (``core/grammar.py``): tokens it does not allow at the position get ``-inf``.
 
 Temperature, top-k, top-p and min-p then apply to the result (``core/sampling.py``).
 """
@@ -107,5 +108,12 @@ def process_logits(
         length = done[:, None] + torch.arange(positions, device=device)  # [n, P] tokens generated before each
         minimum = torch.tensor([p.min_tokens for p in sub], device=device)[:, None]  # [n, 1]
         scores = scores.masked_fill((length < minimum)[..., None] & stop[:, None], float("-inf"))
+    grammars = [p.grammar for p in sub]
+    if any(g is not None for g in grammars):  # llguidance masks, per position (core/grammar.py)
+        from .grammar import grammar_masks
+
+        sub_drafts = None if draft_ids is None else draft_ids[index].cpu()
+        allowed = grammar_masks(grammars, sub_drafts, positions, vocab_size).to(device)  # [n, P, V]
+        scores = scores.masked_fill(~allowed, float("-inf"))
     out[index] = scores
     return out

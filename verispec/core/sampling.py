@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # A ``core.grammar.Grammar`` (its state follows one row's committed tokens): not part of equality or hash.
+    grammar: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -89,7 +91,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether any history-dependent processor or bias changes the logits (``core/processors.py``)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        return bool(self.grammar is not None or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or (self.min_tokens and self.stop_token_ids))
 
     @property

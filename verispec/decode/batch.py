@@ -294,6 +294,8 @@ class DecodeBatch:
                 row.reason = "stop"
                 break
         row.output.extend(emitted)
+        if row.sampling.grammar is not None:
+            row.sampling.grammar.advance(emitted)
         if logprobs is not None:
             row.output_logprobs.extend(logprobs[: len(emitted)])
         if row.first_token_time is None and emitted:

@@ -257,6 +257,7 @@ class SpeculativeDecoder:
         min_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: object | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
@@ -279,12 +280,15 @@ class SpeculativeDecoder:
         position of a block sees the drafts before it). ``logprobs=N`` (0..20) fills ``output.logprobs``: each
         token's log-probability under the target's processed logits (after penalties and bias, before
         temperature and top-k / top-p / min-p) and the N most likely alternatives (``core/logprobs.py``).
+        ``grammar`` (a ``verispec.core.grammar.Grammar``: JSON schema, JSON object, regex or Lark): every row's
+        output follows it, exactly under speculation (each row gets a fresh copy); give the tokenizer's EOS as
+        ``eos_token_id``, the only token allowed once the grammar is complete.
         """
         verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)
         request = validate_request(limits, input_ids, SamplingParams(
             temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-            logit_bias or (), min_tokens, tuple(stop_token_ids)), max_new_tokens,
+            logit_bias or (), min_tokens, tuple(stop_token_ids), grammar), max_new_tokens,
                                    eos_token_id, seed, attention_mask, logprobs)
         policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
         if drafter is None or num_draft_tokens == 0:  # 0: the target alone, without the draft's prefill

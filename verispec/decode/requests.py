@@ -52,8 +52,10 @@ class Request:
         """One batch row per prompt: prompt ``b`` draws from the stream ``(seed, b)`` and gets its own
         ``policy.for_row()``."""
         callbacks = on_tokens if on_tokens is not None else [None] * len(self.prompts)
+        grammar = self.sampling.grammar
         return [
-            Row(key=key, prompt=prompt, sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+            Row(key=key, prompt=prompt,
+                sampling=self.sampling if grammar is None else dataclasses.replace(self.sampling, grammar=grammar.fresh()), max_new_tokens=self.max_new_tokens,
                 eos_ids=self.eos_ids, generator=None if self.sampling.greedy else row_generator(self.seed, b),
                 policy=policy.for_row(), on_tokens=callback, logprobs=self.logprobs)
             for b, (key, prompt, callback) in enumerate(zip(keys, self.prompts, callbacks))
