@@ -10,11 +10,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 import ray
 from ray import serve
-from serving_support import MODEL, WORDS, wait_healthy, wait_until
+from serving_support import MODEL, WORDS, parse_metrics, wait_healthy, wait_until
 
 from verispec.serving.ray import APP_NAME, ReplicaSpec, Scaling, deploy
 
@@ -33,8 +34,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_served(model_dirs):
     """Two replicas of the pair ``live`` serves, with the same decoder settings."""
+    metrics_port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=256 * 2**20,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _metrics_export_port=metrics_port)
     port = _free_port()
     target, draft = model_dirs
     spec = ReplicaSpec(target=target, draft=draft, model_name=MODEL, max_batch_size=16,
@@ -44,7 +46,7 @@ def ray_served(model_dirs):
                port=port, blocking=False)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
-        yield url
+        yield url, f"http://127.0.0.1:{metrics_port}/metrics"
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -73,6 +75,7 @@ def _replicas() -> dict[str, str]:
 
 
 def test_replicas_give_the_single_process_greedy_outputs(ray_served, live) -> None:
+    ray_served = ray_served[0]
     single = _client(live.url)
     expected = [_complete(single, i)[:2] for i in range(REQUESTS)]
     with ThreadPoolExecutor(REQUESTS) as pool:
@@ -82,10 +85,30 @@ def test_replicas_give_the_single_process_greedy_outputs(ray_served, live) -> No
     assert served_by == set(_replicas()) and len(served_by) == 2, served_by
 
 
+def _ray_metric(url: str, name: str) -> dict[str, float]:
+    """Ray's Prometheus export of one verispec metric, by replica."""
+    samples = parse_metrics(httpx.get(url, timeout=10).text)
+    return {key.split('replica="')[1].split('"')[0]: value for key, value in samples.items()
+            if key.startswith(f"ray_{name}{{")}
+
+
+def test_ray_metrics_export_sums_the_replicas(ray_served) -> None:
+    """Each replica's engine counters reach Ray's metrics export, one series per replica."""
+    url, metrics = ray_served
+    client = _client(url)
+    for i in range(8):
+        _complete(client, i)
+    wait_until(lambda: len(_ray_metric(metrics, "verispec_tokens_generated_total")) == 2, 60,
+               "both replicas' tokens in Ray's metrics export")
+    assert set(_ray_metric(metrics, "verispec_tokens_generated_total")) == set(_replicas())
+    assert all(value > 0 for value in _ray_metric(metrics, "verispec_tokens_generated_total").values())
+
+
 def test_a_killed_replica_loses_no_request_that_had_not_started_and_comes_back(ray_served, live) -> None:
     """32 streams of 40 tokens; once both replicas stream, one replica's actor is killed. Every request whose
     response had not started by then completes with the single-process text (Ray routes queued requests to the
     live replica; a request the dead one had taken but not answered gets a 5xx that the client retries)."""
+    ray_served = ray_served[0]
     single = _client(live.url)
     expected = [_complete(single, i, 40)[:2] for i in range(REQUESTS)]
     started: dict[int, tuple[float, str]] = {}
