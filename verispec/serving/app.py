@@ -96,6 +96,7 @@ class Server:
         self.max_prompt_chars = max_context * max(1, max(map(len, tokenizer.get_vocab()), default=1))
         self.metrics = Metrics(engine.metrics, lambda: self.in_flight)
         self._tokenizing: anyio.CapacityLimiter | None = None  # one tokenisation at a time, off the event loop
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built on the first structured request
 
     @property
     def in_flight(self) -> int:
@@ -145,10 +146,24 @@ class Server:
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
-            sampling_options=body.sampling_options, logprobs=body.logprobs_count,
+            sampling_options=body.sampling_options | self._grammar(body), logprobs=body.logprobs_count,
             num_draft_tokens=body.verispec and body.verispec.num_draft_tokens,
             verification=body.verispec and body.verispec.verification,
         )
+
+    def _grammar(self, body: SamplingRequest) -> dict:
+        """``{"grammar": Grammar}`` for a structured-output request (compiled here, on the worker thread)."""
+        try:
+            spec = body.response_format and body.response_format.grammar_spec
+            if not spec:
+                return {}
+            from ..core.grammar import Grammar, grammar_tokenizer
+
+            if self._grammar_tokenizer is None:
+                self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.engine.decoder.vocab_size)
+            return {"grammar": Grammar(self._grammar_tokenizer, *spec)}
+        except ValueError as error:
+            raise ApiError(str(error), "response_format", "invalid_value") from error
 
     def _check_characters(self, body: SamplingRequest) -> None:
         """Refuse, before tokenising, text too long to fit the context whatever its tokens."""

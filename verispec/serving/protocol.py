@@ -198,6 +198,40 @@ class StreamOptions(BaseModel):
 # -------------------------------------------------------------------------------------------- requests
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``, plus ``{"type": "regex", "regex": ...}`` and ``{"type": "lark", "grammar":
+    ...}``."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema", "regex", "lark"]
+    json_schema: JsonSchemaFormat | None = None
+    regex: Text | None = None
+    grammar: Text | None = None
+
+    @property
+    def grammar_spec(self) -> tuple[str, Any] | None:
+        """``(kind, spec)`` for ``core.grammar.Grammar``, None for plain text; ValueError if a part is missing."""
+        if self.type == "text":
+            return None
+        needed = {"json_schema": self.json_schema, "regex": self.regex, "lark": self.grammar}
+        if self.type in needed and needed[self.type] is None:
+            field = {"lark": "grammar"}.get(self.type, self.type)
+            raise ValueError(f"response_format of type {self.type!r} needs '{field}'")
+        spec = {"json_object": None, "json_schema": self.json_schema and self.json_schema.json_schema,
+                "regex": self.regex, "lark": self.grammar}[self.type]
+        return self.type, spec
+
+
 class SpeculationOptions(BaseModel):
     """The ``verispec`` extension object of a request: speculation for this request only. The output's law
     is the same whatever is chosen; only speed differs."""
@@ -226,7 +260,6 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "ignore_eos": _no_effect,
     "tools": _no_effect,
     "functions": _no_effect,
-    "response_format": lambda v: v in (None, {"type": "text"}),
 }
 _UNSUPPORTED_FIELD = Field(None, description="Not supported: refused with HTTP 400 unless absent or a no-op value.")
 
@@ -279,7 +312,9 @@ class SamplingRequest(BaseModel):
     ignore_eos: Any = _UNSUPPORTED_FIELD
     tools: Any = _UNSUPPORTED_FIELD
     functions: Any = _UNSUPPORTED_FIELD
-    response_format: Any = _UNSUPPORTED_FIELD
+    response_format: ResponseFormat | None = Field(
+        None, description="Structured output, exact under speculation: json_object, json_schema, and the "
+        "extensions regex and lark (a Lark grammar).")
 
     @field_validator("n", "temperature", "stream", mode="before")
     @classmethod
