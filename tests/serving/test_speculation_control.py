@@ -1,5 +1,5 @@
 """Per-request speculation control: the ``verispec`` extension object (draft off / auto / a fixed length,
-verification) through the official ``openai`` client, streamed and not, and ``generate(num_draft_tokens=0)``."""
+verification) through the official ``openai`` client, streamed and not, and the library's per-call ``draft=None`` / ``num_draft_tokens``."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_bad_speculation_options_are_refused(live, options) -> None:
 
 def test_library_draft_off_per_call(live) -> None:
     prompt_ids = live.tokenizer(PROMPT)["input_ids"]
-    off = live.decoder.generate([prompt_ids], max_new_tokens=8, num_draft_tokens=0)
+    off = live.decoder.generate([prompt_ids], max_new_tokens=8, draft=None)
     on = live.decoder.generate([prompt_ids], max_new_tokens=8, num_draft_tokens=3)
     assert off.stats.draft_tokens == 0 and off.stats.draft_calls == 0 and on.stats.draft_tokens > 0
     assert off.tokens == on.tokens

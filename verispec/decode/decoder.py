@@ -193,10 +193,7 @@ class SpeculativeDecoder:
         call's ``num_draft_tokens``, else the decoder's; "auto" keeps one cost model per drafter, so costs
         measured by earlier calls stay valid. A seeded sampled request never reads timings: with rejection
         sampling its tokens depend on where blocks end, and a seed must reproduce tokens, so a policy that
-        reads costs gives way to the timing-free heuristic schedule. ``num_draft_tokens=0``: no drafting (the
-        target alone, in the same batch as drafting rows)."""
-        if num_draft_tokens == 0 and not isinstance(num_draft_tokens, bool):
-            return FixedGamma(0)
+        reads costs gives way to the timing-free heuristic schedule."""
         policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
         if num_draft_tokens == "auto" or (num_draft_tokens is None and policy is self._auto_policy):
             policy = self._auto_for(draft)
@@ -291,8 +288,8 @@ class SpeculativeDecoder:
             logit_bias or (), min_tokens, tuple(stop_token_ids), grammar), max_new_tokens,
                                    eos_token_id, seed, attention_mask, logprobs)
         policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
-        if drafter is None or num_draft_tokens == 0:  # 0: the target alone, without the draft's prefill
-            policy, drafter = FixedGamma(0), None
+        if drafter is None:
+            policy = FixedGamma(0)
         policy.reset()
         stats = GenerationStats(num_draft_tokens=policy.name)
         stats.start_rows(len(request.prompts))

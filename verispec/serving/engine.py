@@ -30,6 +30,7 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
+from ..policy import FixedGamma
 from ..telemetry import GenerationStats
 
 _SHUTDOWN = "the engine shut down before the request finished"
@@ -142,7 +143,9 @@ class Engine:
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
                                  list(request.eos_token_ids), request.seed, logprobs=request.logprobs)
         key = next(self._keys)
-        row = valid.rows(self.decoder.policy_for(valid, num_draft_tokens=request.num_draft_tokens), [key])[0]
+        draft = request.num_draft_tokens  # 0: this request's rows never draft (they share the batch with others)
+        policy = FixedGamma(0) if draft == 0 else self.decoder.policy_for(valid, num_draft_tokens=draft)
+        row = valid.rows(policy, [key])[0]
         row.on_tokens = lambda tokens: on_event(TokensEvent(
             list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):]))
         row.verification = check_verification(request.verification or self.decoder.verification)
