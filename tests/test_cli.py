@@ -166,3 +166,13 @@ def test_serve_flags(monkeypatch) -> None:
     defaults = build_parser().parse_args(["serve"])
     assert (defaults.max_request_bytes, defaults.max_choices, defaults.shutdown_timeout) == (2**20, 32, 30.0)
     assert not defaults.docs and not defaults.metrics_public and defaults.model_name is None
+
+
+def test_generate_processor_flags_are_applied_and_exact(models, capsys) -> None:
+    common = ["generate", "--target", models["target"], "--prompt", "def x ( y ) :", "--max-new-tokens", "9", "--json"]
+    flags = ["--repetition-penalty", "2.0", "--presence-penalty", "1.5", "--min-tokens", "9"]
+    _, plain, _ = run(capsys, *common, "--draft", "none")
+    code, spec, _ = run(capsys, *common, *flags, "--draft", models["draft"], "--num-draft-tokens", "3")
+    _, alone, _ = run(capsys, *common, *flags, "--draft", "none")
+    assert code == 0 and json.loads(spec)["tokens"] == json.loads(alone)["tokens"] != json.loads(plain)["tokens"]
+    assert len(json.loads(spec)["tokens"]) == 9  # min_tokens: no EOS before the budget

@@ -111,7 +111,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out, text = generate_streamed(
         decoder, tokenizer, prompt_ids, None if args.json else sys.stdout, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        eos_token_id=eos_token_ids(tokenizer, decoder.target_model), seed=args.seed,
+        eos_token_id=eos_token_ids(tokenizer, decoder.target_model), seed=args.seed, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens,
     )
     wall = time.perf_counter() - started
     stats = out.stats
@@ -311,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers': prompt and output")
+    gen.add_argument("--min-tokens", type=int, default=0, help="EOS masked before this many tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     gen.set_defaults(func=cmd_generate)
 
