@@ -166,15 +166,16 @@ def deploy(spec: ReplicaSpec, scaling: Scaling, *, host: str = "127.0.0.1", port
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False,
                  **({} if ray_address else {"_node_ip_address": "127.0.0.1"}))
+    stop = threading.Event()
+    if blocking:  # after ray.init, which installs a SIGTERM handler of its own; a signal while deploying stops too
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": host, "port": port})
     deployment = serve.deployment(VerispecReplica, name="VerispecReplica").options(
         **scaling.deployment_options(spec.max_batch_size))
     serve.run(deployment.bind(spec), name=APP_NAME, route_prefix="/", blocking=False)
     if not blocking:
         return
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     serve.delete(APP_NAME)
     if ray_address is None:
