@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--parts", default="block,cross")
+    parser.add_argument("--rows", type=int, default=0, help="also a batched tokens-per-pass comparison: rows per prompt")
     args = parser.parse_args()
     all_prompts = [p for p in json.loads((ROOT / "benchmarks/prompts.json").read_text()) if not p.get("chat")]
     texts = [p["text"] for p in all_prompts[: args.prompts]]
@@ -73,43 +74,79 @@ def main() -> None:
     decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", num_draft_tokens=4)
     prompts = [tokenizer(t)["input_ids"] for t in texts]
     run(decoder, prompts[:1], 8)  # warm up both models
+    if args.rows:
+        results["batched_tokens_per_pass"] = batched(decoder, prompts, args.rows, args.tokens)
+        save(results, args.tokens, len(texts))
+    alone = {name: run(decoder, prompts, args.tokens, draft=None, **settings[name]) for name in ("greedy", "T0.7")}
+    results["alone_tokens_per_s"] = {name: r["tokens_per_s"] for name, r in alone.items()}
+    save(results, args.tokens, len(texts))
     if "block" in args.parts:
         part = results["block_vs_token"] = {}
         for name, options in settings.items():
-            alone = run(decoder, prompts, args.tokens, draft=None, **options)
-            row = part[name] = {"alone_tokens_per_s": alone["tokens_per_s"]}
-            for verification in ("token", "block"):
+            row = part[name] = {}
+            # greedy: one-hot distributions, where the two verifiers coincide (tests/core/test_block.py)
+            for verification in ("token",) if name == "greedy" else ("token", "block"):
                 r = run(decoder, prompts, args.tokens, verification=verification, **options)
                 row[verification] = {k: r[k] for k in ("tokens_per_pass", "acceptance", "tokens_per_s")}
-                row[verification]["speedup"] = r["tokens_per_s"] / alone["tokens_per_s"]
+                if name in alone:
+                    row[verification]["speedup"] = r["tokens_per_s"] / alone[name]["tokens_per_s"]
                 if name == "greedy":
-                    row[verification]["identical_to_alone"] = r["outputs"] == alone["outputs"]
+                    row[verification]["identical_to_alone"] = r["outputs"] == alone[name]["outputs"]
                 log(f"{name} {verification}: {row[verification]}")
+                save(results, args.tokens, len(texts))
     if "cross" in args.parts:
         draft_model, draft_tokenizer = load_model("smollm2-135m")
         cross = CrossTokenizerDrafter(draft_model, draft_tokenizer, tokenizer)
         part = results["smollm2_for_qwen"] = {}
         for name in ("greedy", "T0.7"):
-            options = settings[name]
-            alone = run(decoder, prompts, args.tokens, draft=None, **options)
-            r = run(decoder, prompts, args.tokens, draft=cross, **options)
+            r = run(decoder, prompts, args.tokens, draft=cross, **settings[name])
             part[name] = {k: r[k] for k in ("tokens_per_pass", "acceptance", "tokens_per_s")}
-            part[name]["alone_tokens_per_s"] = alone["tokens_per_s"]
-            part[name]["speedup"] = r["tokens_per_s"] / alone["tokens_per_s"]
+            part[name]["speedup"] = r["tokens_per_s"] / alone[name]["tokens_per_s"]
             if name == "greedy":
-                part[name]["identical_to_alone"] = r["outputs"] == alone["outputs"]
+                part[name]["identical_to_alone"] = r["outputs"] == alone[name]["outputs"]
             log(f"cross {name}: {part[name]}")
+            save(results, args.tokens, len(texts))
+
+
+def batched(decoder, prompts, rows: int, tokens: int) -> dict:
+    """Tokens per target pass (per row step) of ``rows`` sampled rows per prompt in one batch, token vs block: a
+    row's tokens do not depend on the batch, so this is many independent batch-1 decodes in one pass each step.
+    Also the verifier's own seconds per step."""
+    out = {}
+    for temperature in (0.7, 1.0):
+        for verification in ("token", "block"):
+            result = decoder.generate([p for p in prompts for _ in range(rows)], max_new_tokens=tokens, seed=7,
+                                      temperature=temperature, verification=verification)
+            stats = result.stats
+            out[f"T{temperature} {verification}"] = {
+                "tokens_per_pass": stats.tokens_per_row_step, "acceptance": stats.acceptance_rate,
+                "row_steps": stats.row_steps, "verify_s_per_step": stats.verify_time_s / stats.steps}
+            log(f"batched T{temperature} {verification}: {out[f'T{temperature} {verification}']}")
+    return out
+
+
+def save(results: dict, tokens: int, num_prompts: int) -> None:
+    """Write what has been measured so far (JSON and Markdown)."""
     (ROOT / "benchmarks/block_cross.json").write_text(json.dumps(results, indent=1))
     lines = [(f"# Block verification and cross-tokenizer drafting\n\nMachine: {results['machine']}. Command: "
-              f"`{results['command']}`. {len(texts)} completion prompts, {args.tokens} new tokens, batch 1, "
-              "4 drafts per block (0.5B int4 draft), seeds fixed per prompt.\n")]
+              f"`{results['command']}`. {num_prompts} completion prompts, {tokens} new tokens, batch 1, "
+              "4 drafts per block (0.5B int4 draft), seeds fixed per prompt. Target alone: "
+              f"{results['alone_tokens_per_s']} tokens/s.\n")]
     if "block_vs_token" in results:
-        lines += ["| setting | verifier | tokens / target pass | acceptance | speed-up vs target alone |",
-                  "|---|---|---|---|---|"]
+        lines += ["| setting | verifier | tokens / target pass | acceptance | tokens/s | speed-up vs target alone |",
+                  "|---|---|---|---|---|---|"]
         for name, row in results["block_vs_token"].items():
-            for v in ("token", "block"):
-                lines.append(f"| {name} | {v} | {row[v]['tokens_per_pass']:.3f} | {row[v]['acceptance']:.3f} | "
-                             f"{row[v]['speedup']:.2f}x |")
+            for v, r in row.items():
+                speedup = f"{r['speedup']:.2f}x" if "speedup" in r else "-"
+                lines.append(f"| {name} | {v} | {r['tokens_per_pass']:.3f} | {r['acceptance']:.3f} | "
+                             f"{r['tokens_per_s']:.2f} | {speedup} |")
+    if "batched_tokens_per_pass" in results:
+        lines += ["", "Batched (rows of each prompt in one batch, seed 7, 4 drafts per block):", "",
+                  "| setting | tokens / target pass | acceptance | row steps | verifier seconds per step |",
+                  "|---|---|---|---|---|"]
+        for name, r in results["batched_tokens_per_pass"].items():
+            lines.append(f"| {name} | {r['tokens_per_pass']:.3f} | {r['acceptance']:.3f} | {r['row_steps']} | "
+                         f"{r['verify_s_per_step']:.4f} |")
     if "smollm2_for_qwen" in results:
         lines += ["", "SmolLM2-135M (its own tokenizer) drafting for Qwen2.5-Coder-1.5B through text:", "",
                   "| setting | tokens / target pass | acceptance | speed-up vs target alone |", "|---|---|---|---|"]

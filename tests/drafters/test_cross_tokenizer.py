@@ -54,11 +54,9 @@ def test_greedy_equals_the_target_alone_in_batches(target_vocab, draft_vocab):
     decoder = SpeculativeDecoder(target, drafter=CrossTokenizerDrafter(draft, draft_tok, target_tok),
                                  num_draft_tokens=4)
     prompts = [target_tok.encode(t) for t in ("def fib(n):", "the quick", "for i in range(10):\n    pri")]
-    alone = decoder.generate(prompts, max_new_tokens=20, draft=None)
-    for verification in ("block", "token"):
-        out = decoder.generate(prompts, max_new_tokens=20, verification=verification)
-        assert out.tokens == alone.tokens
-        assert out.stats.draft_tokens > 0
+    out = decoder.generate(prompts, max_new_tokens=12)  # greedy rows: block and token verification coincide
+    assert out.tokens == decoder.generate(prompts, max_new_tokens=12, draft=None).tokens
+    assert out.stats.draft_tokens > 0
 
 
 def test_the_target_as_its_own_draft_is_mostly_accepted():
@@ -75,7 +73,7 @@ def test_the_target_as_its_own_draft_is_mostly_accepted():
 
 @pytest.mark.parametrize("draft_kind", ["characters", "the target itself"])
 def test_sampled_pairs_follow_the_target_law(draft_kind):
-    """2000 rows of one prompt, temperature 1 top-k 4 (16 possible pairs): the first two tokens' joint law. The
+    """1000 rows of one prompt, temperature 1 top-k 4 (16 possible pairs): the first two tokens' joint law. The
     character-level random draft is nearly always rejected (the recovered token carries the law), the target as
     its own draft (through text) is often accepted."""
     target_tok = tokenizer(BPE)
@@ -92,7 +90,7 @@ def test_sampled_pairs_follow_the_target_law(draft_kind):
             law[t] = (first[t] * second).numpy()
     decoder = SpeculativeDecoder(target, drafter=CrossTokenizerDrafter(draft, draft_tok, target_tok),
                                  num_draft_tokens=3)
-    out = decoder.generate([context] * 2000, max_new_tokens=3, seed=21, temperature=1.0, top_k=4)
+    out = decoder.generate([context] * 1000, max_new_tokens=3, seed=21, temperature=1.0, top_k=4)
     counts = np.zeros((BPE, BPE))
     for tokens in out.tokens:
         counts[tokens[0], tokens[1]] += 1
