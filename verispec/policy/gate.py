@@ -80,7 +80,7 @@ class DraftGate:
         if with_drafts >= alone:
             self._interval = 0
             return self._pass(row_gammas, GateDecision(True, "pays", rows, with_drafts, alone, acceptance))
-        if self._idle >= max(self._interval, self.probe_every):
+        if self._idle + 1 >= max(self._interval, self.probe_every):  # this step would be the n-th without drafts
             self._interval = min(max(self._interval, self.probe_every) * 2, self.max_probe_every)
             return self._pass(row_gammas, GateDecision(True, "probe", rows, with_drafts, alone, acceptance))
         return self._close(row_gammas, GateDecision(False, "slower", rows, with_drafts, alone, acceptance))
