@@ -297,6 +297,12 @@ def _add_serve_security_args(srv: argparse.ArgumentParser) -> None:
                           f"'error' (default {defaults.shutdown_timeout:g}); a second signal exits at once")
 
 
+def _add_sampling_args(parser: argparse.ArgumentParser, temperature_help: str) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec", description="Exact speculative decoding for Hugging Face causal language models.")
@@ -309,9 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="prompt text (or --prompt-file, or stdin)")
     gen.add_argument("--prompt-file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
+    _add_sampling_args(gen, "0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--min-p", type=float, default=None)
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
@@ -338,9 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Ray Data actors, each holding the models (default: decode in-process)")
     bat.add_argument("--batch-size", type=int, default=16, metavar="B",
                      help="consecutive input rows decoded together (16); keep it when resuming")
-    bat.add_argument("--temperature", type=float, default=0.0, help="for rows without one: 0 = greedy (default)")
-    bat.add_argument("--top-p", type=float, default=None)
-    bat.add_argument("--top-k", type=int, default=None)
+    _add_sampling_args(bat, "for rows without one: 0 = greedy (default)")
     bat.add_argument("--seed", type=int, default=None,
                      help="job seed: a sampled row without its own seed samples with one derived from it and its index")
     bat.add_argument("--ray-address", default=None, metavar="A",
