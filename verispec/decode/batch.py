@@ -48,7 +48,7 @@ class Row:
     generator: torch.Generator | None  # None for greedy rows
     policy: GammaPolicy  # this row's draft-length policy
     on_tokens: Callable[[list[int]], None] | None = None
-    verification: str = "block"  # how its sampled drafts are verified: "block" (core/block.py) or "token"
+    verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
     logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
     output: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked

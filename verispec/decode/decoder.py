@@ -130,7 +130,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         vocab_size: int | None = None,
         stop_drafting: bool = True,
-        verification: str = "block",
+        verification: str = "token",
     ) -> None:
         self.verification = check_verification(verification)  # sampled drafts: "block" or "token" verification
         self.gamma_policy = make_gamma_policy(num_draft_tokens)
@@ -269,9 +269,9 @@ class SpeculativeDecoder:
         default): with ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's
         own probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
         Bad arguments raise ``ValueError`` before any model work (``validate_request``).
-        ``verification`` (per call, else the decoder's): "block" (Sun et al. 2024: the draft block judged
-        jointly, never fewer tokens kept in expectation) or "token" (Leviathan et al.); both are exact, and
-        identical for greedy rows.
+        ``verification`` (per call, else the decoder's; "token" by default): "token" (Leviathan et al.) or
+        "block" (Sun et al. 2024: the draft block judged jointly, never fewer tokens kept in expectation); both
+        are exact, and identical for greedy rows.
         ``min_p``, ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``, ``logit_bias``,
         ``min_tokens`` and ``stop_token_ids`` are ``SamplingParams``' processors: exact under speculation (each
         position of a block sees the drafts before it). ``logprobs=N`` (0..20) fills ``output.logprobs``: each
