@@ -131,7 +131,7 @@ def save(results: dict, tokens: int, num_prompts: int) -> None:
     lines = [(f"# Block verification and cross-tokenizer drafting\n\nMachine: {results['machine']}. Command: "
               f"`{results['command']}`. {num_prompts} completion prompts, {tokens} new tokens, batch 1, "
               "4 drafts per block (0.5B int4 draft), seeds fixed per prompt. Target alone: "
-              f"{results['alone_tokens_per_s']} tokens/s.\n")]
+              f"{results.get('alone_tokens_per_s')} tokens/s.\n")]
     if "block_vs_token" in results:
         lines += ["| setting | verifier | tokens / target pass | acceptance | tokens/s | speed-up vs target alone |",
                   "|---|---|---|---|---|---|"]
