@@ -1,6 +1,6 @@
-"""Serving benchmark: ``verispec serve`` under 1, 4 and 16 concurrent clients, speculative vs the target alone.
+"""Serving benchmark: ``verispec serve`` under 1, 4, 16 and 32 concurrent clients, speculative vs the target alone.
 
-    python benchmarks/serve.py [--concurrency 1,4,16] [--requests-per-client 3] [--max-tokens 48] [--out benchmarks]
+    python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 3] [--max-tokens 48] [--out benchmarks]
 
 One process loads the real pair once (target pre-packed, draft int4, as ``verispec serve`` does) and serves the
 same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import socket
 import statistics
 import sys
@@ -31,7 +30,9 @@ import uvicorn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).parent))
 
+from run import cpu_name  # noqa: E402
 from verispec import SpeculativeDecoder  # noqa: E402
 from verispec.cli import build_decoder  # noqa: E402
 from verispec.models import eos_token_ids  # noqa: E402
@@ -176,10 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
     parser.add_argument("--num-draft-tokens", default="auto")
-    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--max-batch-size", type=int, default=16)
+    parser.add_argument("--max-batch-size", type=int, default=32, help="as verispec serve's default")
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
     parser.add_argument("--device", default="cpu")
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests_per_client, "command": " ".join(sys.argv),
-               "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+               "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
                "levels": []}
     identical = True
     for clients in [int(c) for c in args.concurrency.split(",")]:
