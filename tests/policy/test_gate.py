@@ -7,6 +7,7 @@ import torch
 from tiny_models import build
 
 from verispec import SpeculativeDecoder
+from verispec.core.sampling import SamplingParams
 from verispec.policy import CostModelGamma, CostTable, DraftGate, StepRecord, expected_tokens
 
 
@@ -113,3 +114,63 @@ def test_decision_is_in_generate_telemetry():
     assert sum(out.stats.gate_reasons.values()) == out.stats.steps
     assert set(out.stats.gate_last) >= {"open", "reason", "rows", "acceptance"}
     assert "gate_closed_steps" in out.stats.to_dict()
+
+
+def with_catch_up(costs: CostTable, seconds_per_token: float = 0.002) -> CostTable:
+    """The draft's backlog pass measured once, on a 40-token prompt at batch 1 (compute-bound beyond)."""
+    costs.catch_up.add(40, 40 * seconds_per_token)
+    return costs
+
+
+def test_a_backlog_is_priced_and_paid_once_over_the_rows_remaining_tokens():
+    costs = with_catch_up(synthetic_costs([1, 4]))
+    assert abs(costs.catch_up_cost(16 * 90) - 16 * 90 * 0.002) < 1e-12  # proportional beyond what was timed
+    gate = DraftGate(costs)
+    # One client: a 40-token prompt to feed, 48 tokens to go: the catch-up spreads over the row's ~20 steps.
+    assert gate.decide([3], [2.5], [0.7], backlog=40, remaining=[48]) == [3]
+    assert gate.last.reason == "pays"
+    # The same block with nothing left to spread the catch-up over does not pay for it.
+    assert gate.decide([3], [2.5], [0.7], backlog=40, remaining=[1]) == [0]
+    assert gate.last.reason == "slower"
+
+
+def test_under_load_a_growing_backlog_keeps_the_draft_off_without_probes():
+    costs = with_catch_up(synthetic_costs([1, 16]))
+    gate = DraftGate(costs, probe_every=4, max_probe_every=16)
+    # Rows that joined while the gate was closed lag by their prompts plus every token since: no probe pays
+    # for feeding them (it would cost more than a step of the target alone), so none is made.
+    opened = [s for s in range(80) if gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=60 + s,
+                                                   remaining=[48] * 16) != [0] * 16]
+    assert opened == []
+    assert gate.closed_steps == 80 and gate.last.reason == "slower"
+    # Without a backlog the same gate probes again on schedule.
+    assert gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=1) == [2] * 16
+    assert gate.last.reason == "probe"
+
+
+def test_the_catch_up_pass_is_learnt_apart_from_draft_passes():
+    costs = CostTable()
+    # 3 drafts: a backlog pass of 4 rows x 30 tokens (0.5 s), then 2 ordinary passes of 0.01 s each.
+    costs.observe(StepRecord(3, [3] * 4, [1] * 4, draft_time_s=0.52, target_time_s=0.1, catch_up=(120, 0.5)))
+    assert abs(costs.catch_up.at(120) - 0.5) < 1e-12
+    assert abs(costs.draft.at(4) - 0.01) < 1e-12
+    costs.observe(StepRecord(1, [1] * 4, [0] * 4, draft_time_s=0.3, target_time_s=0.1, catch_up=(80, 0.3)))
+    assert abs(costs.draft.at(4) - 0.01) < 1e-12  # a step whose only pass caught up teaches no draft cost
+
+
+def test_new_rows_cost_no_draft_pass_until_the_batch_drafts():
+    target = build("qwen2", seed=3, vocab_size=32)
+    draft = build("qwen2", seed=4, vocab_size=32)
+    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=3)
+    drafter = decoder.drafter.fork()
+    drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), 32)
+    assert drafter.calls == 0 and drafter.backlog() == 4  # the prompts wait in the backlog
+    drafter.update([0, 0], [[9], [4]])  # a step without drafts: its tokens join the backlog
+    assert drafter.calls == 0 and drafter.backlog() == 5
+    proposal = drafter.propose(3, None)
+    assert proposal.catch_up == (2 * 5, proposal.catch_up[1]) and proposal.catch_up[1] > 0
+    assert drafter.calls == 3
+    # Greedy output with rows joining lazily is still the target's own.
+    prompts = [[1, 5, 2, 7], [3, 3], [6]]
+    assert decoder.generate(prompts, max_new_tokens=10).tokens == decoder.generate(prompts, max_new_tokens=10,
+                                                                                    draft=None).tokens

@@ -115,8 +115,9 @@ class DecodeBatch:
         self.close()
 
     def add(self, rows: list[Row]) -> None:
-        """Prefill new rows (every prompt token but the last, which opens their first block) and join them.
-        Rows with nothing to generate finish at once (reason "length") without joining."""
+        """Prefill new rows in the target (every prompt token but the last, which opens their first block) and
+        join them; a model drafter feeds their prompts only when the batch next drafts. Rows with nothing to
+        generate finish at once (reason "length") without joining."""
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.reason = "length"
@@ -214,7 +215,8 @@ class DecodeBatch:
         ]
         if self.gate is not None:  # does drafting pay at all at this batch size? (policy/gate.py)
             row_gammas = self.gate.decide(row_gammas, [row.policy.expected_tokens(g) for row, g in zip(self.rows, row_gammas)],
-                                          [row.policy.acceptance() for row in self.rows])
+                                          [row.policy.acceptance() for row in self.rows], backlog=self.drafter.backlog(),
+                                          remaining=[row.max_new_tokens - len(row.output) for row in self.rows])
             self.stats.record_gate(self.gate.last.to_dict(), self.gate.closed_steps)
         gamma = max(row_gammas)
         stop_below = None
@@ -240,7 +242,7 @@ class DecodeBatch:
         logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
         self.stats.verify_time_s += time.perf_counter() - t0
         record = StepRecord(k, [h[1] for h in host], [h[0] for h in host], self.stats.draft_time_s - draft_time,
-                            self.stats.target_time_s - target_time)
+                            self.stats.target_time_s - target_time, proposal.catch_up)
         if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
             self.costs.observe(record)
         return self._commit(record, [h[2] for h in host], new_tokens, logprobs)

@@ -24,6 +24,9 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler (any value, even -1)
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
+    # A drafter whose cache lags behind the committed tokens (rows that joined, steps without drafts) feeds
+    # the backlog in its first pass: (tokens in that pass, rows x width; its seconds). None: no such pass.
+    catch_up: tuple[int, float] | None = None
 
 
 class Drafter(ABC):
@@ -53,6 +56,11 @@ class Drafter(ABC):
         the probability it gives the block so far falls below the row's value (0: never), reporting the
         shorter length in ``draft_lengths``. Any stopping rule that looks only at the draft keeps the output
         exact; drafters without a confidence ignore it."""
+
+    def backlog(self) -> int:
+        """Width of the widest row's catch-up: the tokens the next proposal must feed before its first draft
+        (1 when every cache is up to date; 0 for drafters without a cache). The draft gate prices it."""
+        return 0
 
     @abstractmethod
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:

@@ -85,6 +85,9 @@ class CompositeDrafter(Drafter):
                 draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
         return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
 
+    def backlog(self) -> int:
+        return self.fallback.backlog()  # the n-gram table keeps no cache
+
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.primary.add_rows(prompts, sampling)
         self.fallback.add_rows(prompts, sampling)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -43,7 +44,9 @@ class ModelDrafter(Drafter):
     Its cache holds every committed token except the ``pending`` ones of each row: one (the last emitted
     token) after a rejection, two (its own last draft and the bonus) when all drafts were kept, since a draft
     never runs on its own last draft token and skipping it would leave a gap in its cache. Pending tokens are
-    fed at the start of the next proposal.
+    fed at the start of the next proposal. A new row's whole prompt is pending: its prefill is paid only if the
+    batch drafts again (under load the draft gate keeps it off, and a draft prefill per new request would be
+    pure cost), and so are the tokens of steps without drafts.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -67,19 +70,18 @@ class ModelDrafter(Drafter):
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        """Prefill the new rows (all prompt tokens but the last, which stays pending) and append them."""
+        """Append rows with an empty draft cache: their prompt is pending, fed at their first proposal."""
         self.params += list(sampling)
         self.prompts += [list(p) for p in prompts]
         self.generated += [[] for _ in prompts]
-        self.pending += [p[-1:] for p in prompts]
-        self.cached = torch.cat([self.cached, torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long)])
-        ids, mask = left_pad([p[:-1] for p in prompts])
-        new = CachedLM(self.model, check=False)
-        new.reset(len(prompts))
-        if ids.shape[1] > 0:
-            new.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
-            self.calls += 1
-        self.lm.append_rows(new)
+        self.pending += [list(p) for p in prompts]
+        self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
+        empty = CachedLM(self.model, check=False)
+        empty.reset(len(prompts))
+        self.lm.append_rows(empty)
+
+    def backlog(self) -> int:
+        return max((len(p) for p in self.pending), default=0)
 
     def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed ``ids [B, w]`` and return the draft's logits ``[B, V]`` after them; NaN / inf rows become zeros
@@ -100,7 +102,13 @@ class ModelDrafter(Drafter):
         if stop_below is not None and any(stop_below):
             confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
         draft_ids, draft_probs = [], []
+        t0 = time.perf_counter()
         logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
+        catch_up = None
+        if ids.shape[1] > 1:  # the cache caught up with a backlog: its cost is priced apart from a draft pass
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize(logits.device)
+            catch_up = (ids.numel(), time.perf_counter() - t0)
         for j in range(k):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
@@ -124,6 +132,7 @@ class ModelDrafter(Drafter):
             draft_ids=torch.stack(draft_ids, dim=1),  # [B, drafted]
             draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, drafted, V]
             draft_lengths=None if confidence is None else confidence.lengths.clamp(max=drafted),
+            catch_up=catch_up,
         )
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:

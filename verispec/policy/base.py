@@ -22,6 +22,7 @@ class StepRecord:
     row_accepted: list[int]  # per row: drafts the target kept
     draft_time_s: float | None = None  # seconds drafting for the whole batch; None = not timed
     target_time_s: float | None = None  # seconds of the target pass over the whole batch; None = not timed
+    catch_up: tuple[int, float] | None = None  # the draft's backlog pass: (tokens fed, seconds), in draft_time_s
 
     def __post_init__(self) -> None:
         if len(self.row_draft_lengths) != len(self.row_accepted):

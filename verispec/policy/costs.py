@@ -50,19 +50,35 @@ class CostCurve(dict[int, Ema]):
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (size - x1)
         return above[0][1]
 
+    def proportional(self, size: int) -> float:
+        """Like ``at`` between measured sizes; outside them, proportional to the size from the nearest measured
+        one (a pass over many tokens is compute-bound: its cost grows with every token)."""
+        known = sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
+        if size > known[-1][0]:
+            return known[-1][1] * size / known[-1][0]
+        if size < known[0][0]:
+            return known[0][1] * size / known[0][0]
+        return self.at(size)
+
 
 @dataclass
 class CostTable:
     """One drafter's costs on this machine: ``target`` (seconds per target pass, by tokens scored in the pass,
-    shared by every drafter on the same target) and ``draft`` (seconds per draft token, i.e. one draft pass
-    over the batch, by batch rows)."""
+    shared by every drafter on the same target), ``draft`` (seconds per draft token, i.e. one draft pass
+    over the batch, by batch rows) and ``catch_up`` (seconds of the pass in which a lagging draft cache feeds
+    its backlog, by tokens fed: rows x width)."""
 
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
+    catch_up: CostCurve = field(default_factory=CostCurve)
 
     def for_drafter(self) -> CostTable:
-        """The table of another drafter on the same target: the same target curve, its own draft curve."""
-        return CostTable(target=self.target, draft=CostCurve())
+        """The table of another drafter on the same target: the same target curve, its own draft curves."""
+        return CostTable(target=self.target, draft=CostCurve(), catch_up=CostCurve())
+
+    def catch_up_cost(self, tokens: int) -> float | None:
+        """Seconds to feed a backlog of ``tokens`` (rows x width) to the draft; None if never timed."""
+        return self.catch_up.proportional(tokens) if self.catch_up else None
 
     @property
     def measured(self) -> bool:
@@ -82,5 +98,9 @@ class CostTable:
         rows = max(record.batch_rows, 1)
         if record.target_time_s is not None:
             self.target.add(rows * (record.draft_length + 1), record.target_time_s)
-        if record.draft_time_s is not None and record.draft_length and sum(record.row_draft_lengths):
-            self.draft.add(rows, record.draft_time_s / record.draft_length)
+        draft_time, passes = record.draft_time_s, record.draft_length
+        if record.catch_up is not None:  # the backlog pass is priced on its own curve, not as a draft pass
+            self.catch_up.add(*record.catch_up)
+            draft_time, passes = (None if draft_time is None else draft_time - record.catch_up[1]), passes - 1
+        if draft_time is not None and passes > 0 and sum(record.row_draft_lengths):
+            self.draft.add(rows, draft_time / passes)

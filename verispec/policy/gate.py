@@ -6,14 +6,20 @@ costs nearly their full price, and speculation can lose to the target alone. So 
 compares, from measured costs at the current batch size B (``CostTable``) and each row's acceptance estimate
 (its policy's ``expected_tokens``):
 
-- drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)))``,
+- drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)) + catch-up / H)``,
 - the target alone: ``B / t_target(B)``,
+
+where catch-up is the extra cost of the draft's first pass when its cache lags behind (``t_catch_up(B * w)``
+for a backlog of width w: new rows' prompts, tokens of steps without drafts), spread over the H steps the
+rows have left, since it is paid once.
 
 and closes (every row drafts 0) when the target alone is faster. It learns fast: a batch size whose k = 0 cost
 was never measured gets one k = 0 step first (never slower than the target alone), and a draft cost measured at
 the new size replaces the extrapolated one after one step. While closed it lets the rows' choices through once
 the batch has not drafted for ``probe_every`` steps (doubling up to ``max_probe_every`` while probes keep
-confirming it), so costs and acceptance are re-measured when the load changes.
+confirming it), so costs and acceptance are re-measured when the load changes; a probe whose catch-up would
+cost more than a step of the target alone waits (under sustained load the backlog only grows: the draft then
+stays off until the batch shrinks).
 
 Rows whose policy has no estimate (a fixed or heuristic schedule, or a seeded sampled request whose tokens must
 not depend on timings) are never gated; when any of them drafts, the gate stays open (closing the other rows
@@ -56,11 +62,12 @@ class DraftGate:
     _interval: int = field(default=0, init=False, repr=False)
     _idle: int = field(default=0, init=False, repr=False)  # steps since the batch last drafted
 
-    def decide(self, row_gammas: list[int], row_tokens: list[float | None],
-               row_acceptance: list[float | None]) -> list[int]:
+    def decide(self, row_gammas: list[int], row_tokens: list[float | None], row_acceptance: list[float | None],
+               backlog: int = 0, remaining: list[int] | None = None) -> list[int]:
         """The draft lengths to use this step. ``row_tokens[r]``: the expected tokens row r emits with
         ``row_gammas[r]`` drafts (None: the row has no estimate); ``row_acceptance[r]`` its mean per-draft
-        acceptance estimate, reported in the decision."""
+        acceptance estimate, reported in the decision. ``backlog``: the width the draft's first pass must feed
+        (``Drafter.backlog``); ``remaining[r]``: the tokens row r may still emit (the catch-up's horizon)."""
         rows, gamma = len(row_gammas), max(row_gammas, default=0)
         if gamma == 0:
             self._idle += 1
@@ -75,12 +82,20 @@ class DraftGate:
         if rows > 1 and rows not in self.costs.target:  # the target alone at this size: one step measures it
             return self._close(row_gammas, GateDecision(False, "measure", rows, acceptance=acceptance))
         tokens = sum(1.0 if t is None else t for t in row_tokens)
-        step_cost = gamma * self.costs.draft_cost(rows) + self.costs.target.at(rows * (gamma + 1))
+        draft_pass = self.costs.draft_cost(rows)
+        catch_up = 0.0  # what the first draft pass costs beyond an ordinary one
+        if backlog > 1 and self.costs.catch_up:
+            catch_up = max(self.costs.catch_up_cost(rows * backlog) - draft_pass, 0.0)
+        horizon = 1.0  # steps over which the catch-up pays: the rows' mean remaining tokens / tokens per row-step
+        if remaining:
+            horizon = max(1.0, sum(remaining) / len(remaining) * rows / max(tokens, 1.0))
+        step_cost = gamma * draft_pass + self.costs.target.at(rows * (gamma + 1)) + catch_up / horizon
         with_drafts, alone = tokens / step_cost, rows / self.costs.target.at(rows)
         if with_drafts >= alone:
             self._interval = 0
             return self._pass(row_gammas, GateDecision(True, "pays", rows, with_drafts, alone, acceptance))
-        if self._idle + 1 >= max(self._interval, self.probe_every):  # this step would be the n-th without drafts
+        if (catch_up <= self.costs.target.at(rows)  # a probe that costs more than a step of the target alone waits
+                and self._idle + 1 >= max(self._interval, self.probe_every)):  # the n-th step without drafts
             self._interval = min(max(self._interval, self.probe_every) * 2, self.max_probe_every)
             return self._pass(row_gammas, GateDecision(True, "probe", rows, with_drafts, alone, acceptance))
         return self._close(row_gammas, GateDecision(False, "slower", rows, with_drafts, alone, acceptance))
