@@ -8,7 +8,9 @@ from tiny_models import build
 
 from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams
+from verispec.decode.requests import validate_request
 from verispec.policy import CostModelGamma, CostTable, DraftGate, StepRecord, expected_tokens
+from verispec.policy.gate import GateDecision
 
 
 def target_seconds(tokens: int) -> float:
@@ -158,11 +160,15 @@ def test_the_catch_up_pass_is_learnt_apart_from_draft_passes():
     assert abs(costs.draft.at(4) - 0.01) < 1e-12  # a step whose only pass caught up teaches no draft cost
 
 
-def test_new_rows_cost_no_draft_pass_until_the_batch_drafts():
+def test_rows_that_join_while_the_gate_is_closed_cost_no_draft_pass_until_the_batch_drafts():
     target = build("qwen2", seed=3, vocab_size=32)
     draft = build("qwen2", seed=4, vocab_size=32)
     decoder = SpeculativeDecoder(target, draft, num_draft_tokens=3)
     drafter = decoder.drafter.fork()
+    drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), 32)  # by default new rows are prefilled at once
+    assert drafter.calls == 1 and drafter.backlog() == 1
+    drafter = decoder.drafter.fork()
+    drafter.defer_prefill(True)
     drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), 32)
     assert drafter.calls == 0 and drafter.backlog() == 4  # the prompts wait in the backlog
     drafter.update([0, 0], [[9], [4]])  # a step without drafts: its tokens join the backlog
@@ -174,3 +180,25 @@ def test_new_rows_cost_no_draft_pass_until_the_batch_drafts():
     prompts = [[1, 5, 2, 7], [3, 3], [6]]
     assert decoder.generate(prompts, max_new_tokens=10).tokens == decoder.generate(prompts, max_new_tokens=10,
                                                                                     draft=None).tokens
+
+
+def decoder_rows(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> list:
+    request = validate_request(decoder.limits, prompts, SamplingParams(), 8)
+    return request.rows(decoder.policy_for(request), range(len(prompts)))
+
+
+def test_a_closed_gate_defers_the_draft_prefill_of_joining_rows():
+    target = build("qwen2", seed=3, vocab_size=32)
+    draft = build("qwen2", seed=4, vocab_size=32)
+    decoder = SpeculativeDecoder(target, draft)  # "auto": the batch has a gate
+    request = validate_request(decoder.limits, [[1]], SamplingParams(), 8)
+    with decoder.new_batch(decoder.drafter, decoder.policy_for(request)) as batch:
+        assert batch.gate is not None
+        batch.add(decoder_rows(decoder, [[1, 5, 2]]))
+        assert batch.drafter.backlog() == 1  # no gate decision yet: prefilled as it joined
+        batch.gate.last = GateDecision(False, "slower", 1)
+        batch.add(decoder_rows(decoder, [[3, 3, 4, 6, 2]]))
+        assert batch.drafter.backlog() == 5  # joined while the draft is off: its prompt waits
+        batch.gate.last = GateDecision(True, "pays", 2)
+        batch.add(decoder_rows(decoder, [[7, 1]]))
+        assert batch.drafter.backlog() == 5

@@ -116,8 +116,8 @@ class DecodeBatch:
 
     def add(self, rows: list[Row]) -> None:
         """Prefill new rows in the target (every prompt token but the last, which opens their first block) and
-        join them; a model drafter feeds their prompts only when the batch next drafts. Rows with nothing to
-        generate finish at once (reason "length") without joining."""
+        join them (the drafter too, unless the draft gate is closed: then it feeds them when the batch next
+        drafts). Rows with nothing to generate finish at once (reason "length") without joining."""
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.reason = "length"
@@ -144,6 +144,10 @@ class DecodeBatch:
 
     def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> None:
         calls = self.drafter.calls
+        # While the gate keeps the draft off (or no row wants to draft at this size), a draft prefill per new
+        # row would be pure cost: their prompts wait in the drafter's backlog, which the gate prices.
+        last = None if self.gate is None else self.gate.last
+        self.drafter.defer_prefill(last is not None and not last.open and last.reason in ("slower", "rows"))
         if self._drafter_started:
             self.drafter.add_rows(prompts, sampling)
         else:  # custom drafters need only `start` to serve `generate`; `add_rows` is for the engine

@@ -57,6 +57,11 @@ class Drafter(ABC):
         shorter length in ``draft_lengths``. Any stopping rule that looks only at the draft keeps the output
         exact; drafters without a confidence ignore it."""
 
+    def defer_prefill(self, defer: bool) -> None:
+        """From now on, leave new rows' prompts in the backlog (``True``: fed only when the batch next drafts,
+        which is never while the draft does not pay) or prefill them as they join (``False``, the default: one
+        pass over the new rows alone, cheaper than a catch-up padded to the whole batch). No-op without a cache."""
+
     def backlog(self) -> int:
         """Width of the widest row's catch-up: the tokens the next proposal must feed before its first draft
         (1 when every cache is up to date; 0 for drafters without a cache). The draft gate prices it."""

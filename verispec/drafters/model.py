@@ -44,15 +44,16 @@ class ModelDrafter(Drafter):
     Its cache holds every committed token except the ``pending`` ones of each row: one (the last emitted
     token) after a rejection, two (its own last draft and the bonus) when all drafts were kept, since a draft
     never runs on its own last draft token and skipping it would leave a gap in its cache. Pending tokens are
-    fed at the start of the next proposal. A new row's whole prompt is pending: its prefill is paid only if the
-    batch drafts again (under load the draft gate keeps it off, and a draft prefill per new request would be
-    pure cost), and so are the tokens of steps without drafts.
+    fed at the start of the next proposal, and so are the tokens of steps without drafts. While prefills are
+    deferred (``defer_prefill``: the batch does so while its draft gate is closed) a new row's whole prompt is
+    pending: under load a draft prefill per new request would be pure cost.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.lm = CachedLM(model)
         self.model = model
         self.calls = 0
+        self._defer_prefill = False
 
     def fork(self) -> ModelDrafter:
         return ModelDrafter(self.model)
@@ -69,16 +70,26 @@ class ModelDrafter(Drafter):
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
+    def defer_prefill(self, defer: bool) -> None:
+        self._defer_prefill = defer
+
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        """Append rows with an empty draft cache: their prompt is pending, fed at their first proposal."""
+        """Append rows: prefilled now (all prompt tokens but the last, which stays pending), or, while prefills
+        are deferred, with an empty cache and the whole prompt pending."""
+        deferred = self._defer_prefill
         self.params += list(sampling)
         self.prompts += [list(p) for p in prompts]
         self.generated += [[] for _ in prompts]
-        self.pending += [list(p) for p in prompts]
-        self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
-        empty = CachedLM(self.model, check=False)
-        empty.reset(len(prompts))
-        self.lm.append_rows(empty)
+        self.pending += [list(p) if deferred else p[-1:] for p in prompts]
+        self.cached = torch.cat([self.cached, torch.tensor([0 if deferred else len(p) - 1 for p in prompts],
+                                                           dtype=torch.long)])
+        ids, mask = left_pad([[] if deferred else p[:-1] for p in prompts])
+        new = CachedLM(self.model, check=False)
+        new.reset(len(prompts))
+        if ids.shape[1] > 0:
+            new.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
+            self.calls += 1
+        self.lm.append_rows(new)
 
     def backlog(self) -> int:
         return max((len(p) for p in self.pending), default=0)
