@@ -134,7 +134,7 @@ class DecodeBatch:
                 fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
                 self.stats.target_calls += 1
             if self.drafter is not None:
-                self._add_to_drafter(prompts, [row.sampling for row in rows])
+                self._add_to_drafter(prompts, [row.sampling for row in rows], self._draft_is_off(rows))
         self.target.append_rows(fresh)
         self.rows += rows
         self.last_ids = torch.cat([self.last_ids, torch.tensor([p[-1] for p in prompts], device=self.device)])
@@ -142,12 +142,20 @@ class DecodeBatch:
         sync(self.device)
         self.stats.prefill_time_s += time.perf_counter() - t0
 
-    def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> None:
+    def _draft_is_off(self, joining: list[Row]) -> bool:
+        """Whether the draft does not pay at the batch size these rows make: the gate's last verdict was
+        "slower", or none of their own cost models would draft there."""
+        if self.gate is None:
+            return False
+        last, rows = self.gate.last, len(self.rows) + len(joining)
+        return ((last is not None and not last.open and last.reason == "slower")
+                or not any(row.policy.would_draft(row.max_new_tokens - 1, rows) for row in joining))
+
+    def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams], defer: bool = False) -> None:
         calls = self.drafter.calls
-        # While the gate keeps the draft off (or no row wants to draft at this size), a draft prefill per new
-        # row would be pure cost: their prompts wait in the drafter's backlog, which the gate prices.
-        last = None if self.gate is None else self.gate.last
-        self.drafter.defer_prefill(last is not None and not last.open and last.reason in ("slower", "rows"))
+        # Where the draft does not pay, a draft prefill per new row would be pure cost: their prompts wait in
+        # the drafter's backlog (fed if the batch drafts again, a catch-up the gate prices).
+        self.drafter.defer_prefill(defer)
         if self._drafter_started:
             self.drafter.add_rows(prompts, sampling)
         else:  # custom drafters need only `start` to serve `generate`; `add_rows` is for the engine
