@@ -4,13 +4,12 @@ costs at the current batch size; fast learning under a burst; telemetry of the d
 from __future__ import annotations
 
 import torch
-from tiny_models import build
+from tiny_models import build, perturbed
 
 from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams
 from verispec.decode.requests import validate_request
 from verispec.policy import CostModelGamma, CostTable, DraftGate, StepRecord, expected_tokens
-from verispec.policy.gate import GateDecision
 
 
 def target_seconds(tokens: int) -> float:
@@ -141,12 +140,12 @@ def test_under_load_a_growing_backlog_keeps_the_draft_off_without_probes():
     gate = DraftGate(costs, probe_every=4, max_probe_every=16)
     # Rows that joined while the gate was closed lag by their prompts plus every token since: no probe pays
     # for feeding them (it would cost more than a step of the target alone), so none is made.
-    opened = [s for s in range(80) if gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=60 + s,
+    opened = [s for s in range(80) if gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=16 * (60 + s),
                                                    remaining=[48] * 16) != [0] * 16]
     assert opened == []
     assert gate.closed_steps == 80 and gate.last.reason == "slower"
     # Without a backlog the same gate probes again on schedule.
-    assert gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=1) == [2] * 16
+    assert gate.decide([2] * 16, [1.5] * 16, [0.5] * 16, backlog=0) == [2] * 16
     assert gate.last.reason == "probe"
 
 
@@ -160,45 +159,39 @@ def test_the_catch_up_pass_is_learnt_apart_from_draft_passes():
     assert abs(costs.draft.at(4) - 0.01) < 1e-12  # a step whose only pass caught up teaches no draft cost
 
 
-def test_rows_that_join_while_the_gate_is_closed_cost_no_draft_pass_until_the_batch_drafts():
+def test_new_rows_cost_no_draft_pass_until_the_batch_drafts():
     target = build("qwen2", seed=3, vocab_size=32)
     draft = build("qwen2", seed=4, vocab_size=32)
     decoder = SpeculativeDecoder(target, draft, num_draft_tokens=3)
     drafter = decoder.drafter.fork()
-    drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), 32)  # by default new rows are prefilled at once
-    assert drafter.calls == 1 and drafter.backlog() == 1
-    drafter = decoder.drafter.fork()
-    drafter.defer_prefill(True)
     drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), 32)
-    assert drafter.calls == 0 and drafter.backlog() == 4  # the prompts wait in the backlog
+    assert drafter.calls == 0 and drafter.backlog() == 3 + 1  # the prompts wait (all but their last token)
     drafter.update([0, 0], [[9], [4]])  # a step without drafts: its tokens join the backlog
-    assert drafter.calls == 0 and drafter.backlog() == 5
+    assert drafter.calls == 0 and drafter.backlog() == 4 + 2
     proposal = drafter.propose(3, None)
-    assert proposal.catch_up == (2 * 5, proposal.catch_up[1]) and proposal.catch_up[1] > 0
-    assert drafter.calls == 3
-    # Greedy output with rows joining lazily is still the target's own.
-    prompts = [[1, 5, 2, 7], [3, 3], [6]]
-    assert decoder.generate(prompts, max_new_tokens=10).tokens == decoder.generate(prompts, max_new_tokens=10,
-                                                                                    draft=None).tokens
+    assert proposal.catch_up[0] == 6 and proposal.catch_up[1] > 0
+    assert drafter.calls == 1 + 3 and drafter.backlog() == 0  # one prefill of both rows, three draft passes
 
 
-def decoder_rows(decoder: SpeculativeDecoder, prompts: list[list[int]]) -> list:
-    request = validate_request(decoder.limits, prompts, SamplingParams(), 8)
-    return request.rows(decoder.policy_for(request), range(len(prompts)))
-
-
-def test_a_closed_gate_defers_the_draft_prefill_of_joining_rows():
+def test_rows_prefilled_on_their_own_beside_running_rows_keep_greedy_exact():
+    """A row that joins a running batch is prefilled alone at the next drafting step and put back in its
+    place; greedy output stays the target's own, whatever joined when."""
     target = build("qwen2", seed=3, vocab_size=32)
-    draft = build("qwen2", seed=4, vocab_size=32)
-    decoder = SpeculativeDecoder(target, draft)  # "auto": the batch has a gate
-    request = validate_request(decoder.limits, [[1]], SamplingParams(), 8)
+    draft = perturbed(target, scale=0.05)
+    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=2)
+    prompts = [[1, 5, 2, 7, 9], [3, 3], [6, 2, 8], [4]]
+    expected = decoder.generate(prompts, max_new_tokens=12, draft=None).tokens
+    request = validate_request(decoder.limits, prompts, SamplingParams(), 12)
+    rows = request.rows(decoder.policy_for(request), range(len(prompts)))
+    finished = []
     with decoder.new_batch(decoder.drafter, decoder.policy_for(request)) as batch:
-        assert batch.gate is not None
-        batch.add(decoder_rows(decoder, [[1, 5, 2]]))
-        assert batch.drafter.backlog() == 1  # no gate decision yet: prefilled as it joined
-        batch.gate.last = GateDecision(False, "slower", 1)
-        batch.add(decoder_rows(decoder, [[3, 3, 4, 6, 2]]))
-        assert batch.drafter.backlog() == 5  # joined while the draft is off: its prompt waits
-        batch.gate.last = GateDecision(True, "pays", 2)
-        batch.add(decoder_rows(decoder, [[7, 1]]))
-        assert batch.drafter.backlog() == 5
+        batch.add(rows[:1])
+        for step in range(40):
+            if step in (2, 3):  # join mid-run: one row, then two at once
+                batch.add(rows[1:2] if step == 2 else rows[2:])
+            if not batch.rows:
+                break
+            finished += batch.step()
+    assert len(finished) == 4
+    assert [row.output for row in rows] == expected
+    assert sum(row.accepted_tokens for row in rows) > 0  # drafts were really kept

@@ -116,8 +116,8 @@ class DecodeBatch:
 
     def add(self, rows: list[Row]) -> None:
         """Prefill new rows in the target (every prompt token but the last, which opens their first block) and
-        join them (the drafter too, unless the draft gate is closed: then it feeds them when the batch next
-        drafts). Rows with nothing to generate finish at once (reason "length") without joining."""
+        join them (a model drafter prefills them at the batch's next drafting step, if any). Rows with nothing
+        to generate finish at once (reason "length") without joining."""
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.reason = "length"
@@ -134,7 +134,7 @@ class DecodeBatch:
                 fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
                 self.stats.target_calls += 1
             if self.drafter is not None:
-                self._add_to_drafter(prompts, [row.sampling for row in rows], self._draft_is_off(rows))
+                self._add_to_drafter(prompts, [row.sampling for row in rows])
         self.target.append_rows(fresh)
         self.rows += rows
         self.last_ids = torch.cat([self.last_ids, torch.tensor([p[-1] for p in prompts], device=self.device)])
@@ -142,20 +142,8 @@ class DecodeBatch:
         sync(self.device)
         self.stats.prefill_time_s += time.perf_counter() - t0
 
-    def _draft_is_off(self, joining: list[Row]) -> bool:
-        """Whether the draft does not pay at the batch size these rows make: the gate's last verdict was
-        "slower", or none of their own cost models would draft there."""
-        if self.gate is None:
-            return False
-        last, rows = self.gate.last, len(self.rows) + len(joining)
-        return ((last is not None and not last.open and last.reason == "slower")
-                or not any(row.policy.would_draft(row.max_new_tokens - 1, rows) for row in joining))
-
-    def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams], defer: bool = False) -> None:
+    def _add_to_drafter(self, prompts: list[list[int]], sampling: list[SamplingParams]) -> None:
         calls = self.drafter.calls
-        # Where the draft does not pay, a draft prefill per new row would be pure cost: their prompts wait in
-        # the drafter's backlog (fed if the batch drafts again, a catch-up the gate prices).
-        self.drafter.defer_prefill(defer)
         if self._drafter_started:
             self.drafter.add_rows(prompts, sampling)
         else:  # custom drafters need only `start` to serve `generate`; `add_rows` is for the engine

@@ -25,7 +25,7 @@ class Proposal:
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
     # A drafter whose cache lags behind the committed tokens (rows that joined, steps without drafts) feeds
-    # the backlog in its first pass: (tokens in that pass, rows x width; its seconds). None: no such pass.
+    # that backlog first: (tokens fed beyond one per row, seconds of those passes). None: nothing to feed.
     catch_up: tuple[int, float] | None = None
 
 
@@ -57,14 +57,10 @@ class Drafter(ABC):
         shorter length in ``draft_lengths``. Any stopping rule that looks only at the draft keeps the output
         exact; drafters without a confidence ignore it."""
 
-    def defer_prefill(self, defer: bool) -> None:
-        """From now on, leave new rows' prompts in the backlog (``True``: fed only when the batch next drafts,
-        which is never while the draft does not pay) or prefill them as they join (``False``, the default: one
-        pass over the new rows alone, cheaper than a catch-up padded to the whole batch). No-op without a cache."""
-
     def backlog(self) -> int:
-        """Width of the widest row's catch-up: the tokens the next proposal must feed before its first draft
-        (1 when every cache is up to date; 0 for drafters without a cache). The draft gate prices it."""
+        """Tokens the next proposal must feed to its cache beyond one per row before its first draft (new
+        rows' prompts, tokens of steps without drafts); 0 when up to date or without a cache. The draft gate
+        prices it."""
         return 0
 
     @abstractmethod

@@ -85,9 +85,6 @@ class CompositeDrafter(Drafter):
                 draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
         return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
 
-    def defer_prefill(self, defer: bool) -> None:
-        self.fallback.defer_prefill(defer)
-
     def backlog(self) -> int:
         return self.fallback.backlog()  # the n-gram table keeps no cache
 

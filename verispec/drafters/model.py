@@ -44,16 +44,15 @@ class ModelDrafter(Drafter):
     Its cache holds every committed token except the ``pending`` ones of each row: one (the last emitted
     token) after a rejection, two (its own last draft and the bonus) when all drafts were kept, since a draft
     never runs on its own last draft token and skipping it would leave a gap in its cache. Pending tokens are
-    fed at the start of the next proposal, and so are the tokens of steps without drafts. While prefills are
-    deferred (``defer_prefill``: the batch does so while its draft gate is closed) a new row's whole prompt is
-    pending: under load a draft prefill per new request would be pure cost.
+    fed at the start of the next proposal, and so are the tokens of steps without drafts. A new row's whole
+    prompt is pending too: it is prefilled (on its own) by the first proposal after it joined, so a request
+    that joins while the draft gate keeps the draft off, and leaves before it opens, costs no draft pass.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.lm = CachedLM(model)
         self.model = model
         self.calls = 0
-        self._defer_prefill = False
 
     def fork(self) -> ModelDrafter:
         return ModelDrafter(self.model)
@@ -70,29 +69,43 @@ class ModelDrafter(Drafter):
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
-    def defer_prefill(self, defer: bool) -> None:
-        self._defer_prefill = defer
-
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        """Append rows: prefilled now (all prompt tokens but the last, which stays pending), or, while prefills
-        are deferred, with an empty cache and the whole prompt pending."""
-        deferred = self._defer_prefill
+        """Append rows with an empty draft cache and the whole prompt pending (prefilled at the next proposal)."""
         self.params += list(sampling)
         self.prompts += [list(p) for p in prompts]
         self.generated += [[] for _ in prompts]
-        self.pending += [list(p) if deferred else p[-1:] for p in prompts]
-        self.cached = torch.cat([self.cached, torch.tensor([0 if deferred else len(p) - 1 for p in prompts],
-                                                           dtype=torch.long)])
-        ids, mask = left_pad([[] if deferred else p[:-1] for p in prompts])
-        new = CachedLM(self.model, check=False)
-        new.reset(len(prompts))
-        if ids.shape[1] > 0:
-            new.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
-            self.calls += 1
-        self.lm.append_rows(new)
+        self.pending += [list(p) for p in prompts]
+        self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
+        empty = CachedLM(self.model, check=False)
+        empty.reset(len(prompts))
+        self.lm.append_rows(empty)
+
+    def _unprefilled(self) -> list[int]:
+        """Rows with nothing in the draft cache yet and more than their last token pending."""
+        return [r for r, (c, p) in enumerate(zip(self.cached.tolist(), self.pending)) if c == 0 and len(p) > 1]
 
     def backlog(self) -> int:
-        return max((len(p) for p in self.pending), default=0)
+        unprefilled = set(self._unprefilled())
+        others = [len(p) for r, p in enumerate(self.pending) if r not in unprefilled]
+        return (sum(len(self.pending[r]) - 1 for r in unprefilled)
+                + len(others) * (max(others, default=1) - 1))
+
+    def _prefill(self, rows: list[int]) -> None:
+        """Prefill these rows on their own (all pending tokens but the last) and put them back in place: the
+        pass costs their tokens, not a pass padded to the whole batch."""
+        ids, mask = left_pad([self.pending[r][:-1] for r in rows])  # [R, w]
+        fresh = CachedLM(self.model, check=False)
+        fresh.reset(len(rows))
+        fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+        self.calls += 1
+        chosen = set(rows)
+        order = [r for r in range(len(self.pending)) if r not in chosen] + rows  # position -> row, after append
+        self.lm.select_rows(order[: len(order) - len(rows)])
+        self.lm.append_rows(fresh)
+        self.lm.select_rows(sorted(range(len(order)), key=order.__getitem__))  # back to the rows' own order
+        for r in rows:
+            self.cached[r] = len(self.pending[r]) - 1
+            self.pending[r] = self.pending[r][-1:]
 
     def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Feed ``ids [B, w]`` and return the draft's logits ``[B, V]`` after them; NaN / inf rows become zeros
@@ -105,6 +118,11 @@ class ModelDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k = num_draft_tokens
+        t0 = time.perf_counter()
+        unprefilled = self._unprefilled()
+        caught_up = sum(len(self.pending[r]) - 1 for r in unprefilled)  # tokens fed beyond one per row
+        if unprefilled:
+            self._prefill(unprefilled)
         ids, mask = left_pad(self.pending)  # [B, w]
         next_position = self.cached + mask.sum(dim=1)  # [B] position of the first draft token
         all_greedy = all(p.greedy for p in self.params)
@@ -113,13 +131,13 @@ class ModelDrafter(Drafter):
         if stop_below is not None and any(stop_below):
             confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
         draft_ids, draft_probs = [], []
-        t0 = time.perf_counter()
         logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
+        caught_up += ids.numel() - ids.shape[0]
         catch_up = None
-        if ids.shape[1] > 1:  # the cache caught up with a backlog: its cost is priced apart from a draft pass
+        if caught_up:  # the cache caught up with a backlog: its cost is priced apart from draft passes
             if logits.device.type == "cuda":
                 torch.cuda.synchronize(logits.device)
-            catch_up = (ids.numel(), time.perf_counter() - t0)
+            catch_up = (caught_up, time.perf_counter() - t0)
         for j in range(k):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]

@@ -56,13 +56,6 @@ class CostModelGamma(GammaPolicy):
             return self.estimate.position_acceptance(gamma)
         return [self.estimate.acceptance] * gamma
 
-    def would_draft(self, max_gamma: int, rows: int = 1) -> bool:
-        max_gamma = min(max_gamma, self.max_gamma)
-        if not self.costs.measured or max_gamma < 1:
-            return max_gamma >= 1
-        acceptance = self._acceptance(max_gamma) if self.per_position else self.estimate.acceptance
-        return best_gamma(acceptance, self.costs.draft_cost(rows), self.costs.target_costs(max_gamma, rows), max_gamma) > 0
-
     def choose(self, max_gamma: int, rows: int = 1) -> int:
         max_gamma = min(max_gamma, self.max_gamma)
         if not self.costs.measured:

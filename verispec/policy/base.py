@@ -54,11 +54,6 @@ class GammaPolicy:
         """The next draft length, at most ``max_gamma``, for one row of a batch of ``rows``."""
         raise NotImplementedError
 
-    def would_draft(self, max_gamma: int, rows: int = 1) -> bool:
-        """Whether the cost model would draft at all at this batch size (no side effects, unlike ``choose``);
-        policies that read no costs always would."""
-        return max_gamma >= 1
-
     def stop_threshold(self, gamma: int, rows: int = 1) -> float:
         """Where a confidence-aware drafter may end this row's block early: once the draft's own probability
         of the block falls below this. 0 (the default) means never."""

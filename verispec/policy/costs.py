@@ -65,8 +65,8 @@ class CostCurve(dict[int, Ema]):
 class CostTable:
     """One drafter's costs on this machine: ``target`` (seconds per target pass, by tokens scored in the pass,
     shared by every drafter on the same target), ``draft`` (seconds per draft token, i.e. one draft pass
-    over the batch, by batch rows) and ``catch_up`` (seconds of the pass in which a lagging draft cache feeds
-    its backlog, by tokens fed: rows x width)."""
+    over the batch, by batch rows) and ``catch_up`` (seconds in which a lagging draft cache feeds its backlog,
+    with the first draft pass, by tokens fed beyond one per row)."""
 
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
@@ -77,7 +77,7 @@ class CostTable:
         return CostTable(target=self.target, draft=CostCurve(), catch_up=CostCurve())
 
     def catch_up_cost(self, tokens: int) -> float | None:
-        """Seconds to feed a backlog of ``tokens`` (rows x width) to the draft; None if never timed."""
+        """Seconds to feed a backlog of ``tokens`` to the draft; None if never timed."""
         return self.catch_up.proportional(tokens) if self.catch_up else None
 
     @property

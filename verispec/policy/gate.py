@@ -9,9 +9,9 @@ compares, from measured costs at the current batch size B (``CostTable``) and ea
 - drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)) + catch-up / H)``,
 - the target alone: ``B / t_target(B)``,
 
-where catch-up is the extra cost of the draft's first pass when its cache lags behind (``t_catch_up(B * w)``
-for a backlog of width w: new rows' prompts, tokens of steps without drafts), spread over the H steps the
-rows have left, since it is paid once.
+where catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the n tokens of its backlog:
+new rows' prompts, tokens of steps without drafts), spread over the H steps the rows have left, since it is
+paid once.
 
 and closes (every row drafts 0) when the target alone is faster. It learns fast: a batch size whose k = 0 cost
 was never measured gets one k = 0 step first (never slower than the target alone), and a draft cost measured at
@@ -66,7 +66,7 @@ class DraftGate:
                backlog: int = 0, remaining: list[int] | None = None) -> list[int]:
         """The draft lengths to use this step. ``row_tokens[r]``: the expected tokens row r emits with
         ``row_gammas[r]`` drafts (None: the row has no estimate); ``row_acceptance[r]`` its mean per-draft
-        acceptance estimate, reported in the decision. ``backlog``: the width the draft's first pass must feed
+        acceptance estimate, reported in the decision. ``backlog``: the tokens the draft must feed first
         (``Drafter.backlog``); ``remaining[r]``: the tokens row r may still emit (the catch-up's horizon)."""
         rows, gamma = len(row_gammas), max(row_gammas, default=0)
         if gamma == 0:
@@ -84,8 +84,8 @@ class DraftGate:
         tokens = sum(1.0 if t is None else t for t in row_tokens)
         draft_pass = self.costs.draft_cost(rows)
         catch_up = 0.0  # what the first draft pass costs beyond an ordinary one
-        if backlog > 1 and self.costs.catch_up:
-            catch_up = max(self.costs.catch_up_cost(rows * backlog) - draft_pass, 0.0)
+        if backlog > 0 and self.costs.catch_up:
+            catch_up = self.costs.catch_up_cost(backlog)
         horizon = 1.0  # steps over which the catch-up pays: the rows' mean remaining tokens / tokens per row-step
         if remaining:
             horizon = max(1.0, sum(remaining) / len(remaining) * rows / max(tokens, 1.0))
