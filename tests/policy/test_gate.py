@@ -195,3 +195,21 @@ def test_rows_prefilled_on_their_own_beside_running_rows_keep_greedy_exact():
     assert len(finished) == 4
     assert [row.output for row in rows] == expected
     assert sum(row.accepted_tokens for row in rows) > 0  # drafts were really kept
+
+
+def test_measured_steps_overrule_a_model_that_says_drafting_pays():
+    costs = synthetic_costs([1, 4])
+    gate = DraftGate(costs)
+    assert gate.decide([3] * 4, [3.0] * 4, [0.8] * 4) == [3] * 4 and gate.last.reason == "pays"
+    # Whole steps as they ran at batch 4: drafting emitted 12 tokens per 1.5 s, the target alone 4 per 0.3 s.
+    gate.observe(4, False, 4, 0.3)
+    gate.observe(4, True, 12, 1.5)
+    assert gate.decide([3] * 4, [3.0] * 4, [0.8] * 4) == [3] * 4  # one drafting step is not enough evidence
+    gate.observe(4, True, 12, 1.5)
+    assert gate.decide([3] * 4, [3.0] * 4, [0.8] * 4) == [0] * 4 and gate.last.reason == "slower"
+    # Measured at batch 4 only: batch 1 still follows the model.
+    assert gate.decide([3], [3.0], [0.8]) == [3] and gate.last.reason == "pays"
+    # Drafting steps that do pay reopen it.
+    for _ in range(10):
+        gate.observe(4, True, 12, 0.5)
+    assert gate.decide([3] * 4, [3.0] * 4, [0.8] * 4) == [3] * 4 and gate.last.reason == "pays"

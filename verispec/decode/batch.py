@@ -207,6 +207,7 @@ class DecodeBatch:
 
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
+        step_start = time.perf_counter()
         batch_rows = len(self.rows)
         # Each row picks its own draft length, capped so it never drafts past its remaining budget.
         row_gammas = [
@@ -245,7 +246,10 @@ class DecodeBatch:
                             self.stats.target_time_s - target_time, proposal.catch_up)
         if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
             self.costs.observe(record)
-        return self._commit(record, [h[2] for h in host], new_tokens, logprobs)
+        finished = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
+        if self.gate is not None:
+            self.gate.observe(batch_rows, k > 0, sum(len(t) for t in new_tokens), time.perf_counter() - step_start)
+        return finished
 
     def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,
                   new_tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:

@@ -9,7 +9,9 @@ compares, from measured costs at the current batch size B (``CostTable``) and ea
 - drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)) + catch-up / H)``,
 - the target alone: ``B / t_target(B)``,
 
-where catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the n tokens of its backlog:
+and, once both were measured at this batch size, the tokens per second of whole steps with and without
+drafts (every cost the model leaves out included: a block cut short, verification, the bookkeeping) must
+agree that drafting pays. Catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the n tokens of its backlog:
 new rows' prompts, tokens of steps without drafts), spread over the H steps the rows have left, since it is
 paid once.
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .costs import CostTable
+from .costs import CostTable, Ema
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class DraftGate:
     max_probe_every: int = 64
     last: GateDecision | None = None
     closed_steps: int = 0  # steps in which the gate set every row to k = 0 although some wanted to draft
+    # tokens per second of whole steps as measured (every cost the model leaves out included), by (rows, drafted)
+    rates: dict[tuple[int, bool], Ema] = field(default_factory=dict)
     _interval: int = field(default=0, init=False, repr=False)
     _idle: int = field(default=0, init=False, repr=False)  # steps since the batch last drafted
 
@@ -91,7 +95,11 @@ class DraftGate:
             horizon = max(1.0, sum(remaining) / len(remaining) * rows / max(tokens, 1.0))
         step_cost = gamma * draft_pass + self.costs.target.at(rows * (gamma + 1)) + catch_up / horizon
         with_drafts, alone = tokens / step_cost, rows / self.costs.target.at(rows)
-        if with_drafts >= alone:
+        pays = with_drafts >= alone
+        drafted, plain = self.rates.get((rows, True)), self.rates.get((rows, False))
+        if pays and drafted is not None and plain is not None and drafted.count >= 2:
+            pays = drafted.value >= plain.value  # the model said yes: the measured steps must agree
+        if pays:
             self._interval = 0
             return self._pass(row_gammas, GateDecision(True, "pays", rows, with_drafts, alone, acceptance))
         if (catch_up <= self.costs.target.at(rows)  # a probe that costs more than a step of the target alone waits
@@ -99,6 +107,11 @@ class DraftGate:
             self._interval = min(max(self._interval, self.probe_every) * 2, self.max_probe_every)
             return self._pass(row_gammas, GateDecision(True, "probe", rows, with_drafts, alone, acceptance))
         return self._close(row_gammas, GateDecision(False, "slower", rows, with_drafts, alone, acceptance))
+
+    def observe(self, rows: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A whole step as it ran: ``tokens`` emitted by ``rows`` rows in ``seconds``, with drafts or not."""
+        if seconds > 0:
+            self.rates.setdefault((rows, drafted), Ema()).add(tokens / seconds)
 
     def _pass(self, row_gammas: list[int], decision: GateDecision) -> list[int]:
         self.last = decision
