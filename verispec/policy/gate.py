@@ -9,13 +9,11 @@ compares, from measured costs at the current batch size B (``CostTable``) and ea
 - drafting: ``sum_r E_r[tokens | k_r] / (k * t_draft(B) + t_target(B * (k + 1)) + catch-up / H)``,
 - the target alone: ``B / t_target(B)``,
 
-and, once both were measured at this batch size, the tokens per second of whole steps with and without
-drafts (every cost the model leaves out included: a block cut short, verification, the bookkeeping) must
-agree that drafting pays. Catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the n tokens of its backlog:
+where catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the n tokens of its backlog:
 new rows' prompts, tokens of steps without drafts), spread over the H steps the rows have left, since it is
-paid once.
-
-and closes (every row drafts 0) when the target alone is faster. It learns fast: a batch size whose k = 0 cost
+paid once. It closes (every row drafts 0) when the target alone is faster, and also when whole steps with and
+without drafts, both measured at this batch size, say so (they include every cost the model leaves out: a
+block cut short, verification, the bookkeeping). It learns fast: a batch size whose k = 0 cost
 was never measured gets one k = 0 step first (never slower than the target alone), and a draft cost measured at
 the new size replaces the extrapolated one after one step. While closed it lets the rows' choices through once
 the batch has not drafted for ``probe_every`` steps (doubling up to ``max_probe_every`` while probes keep
