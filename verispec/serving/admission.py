@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 
-from .protocol import ApiError
+from .errors import ApiError
 
 RATE_WINDOW_S = 60.0  # releases this recent estimate how fast reserved work drains, for Retry-After
 DEFAULT_RETRY_AFTER_S = 5  # before anything has finished

@@ -49,18 +49,15 @@ from .. import __version__
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
+from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .generation import Generation, Params
 from .guard import REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
-    ApiError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    ErrorResponse,
     SamplingRequest,
-    error_body,
-    validation_error,
 )
 from .responses import (
     ChatCompletionChunk,

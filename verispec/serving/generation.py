@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.logprobs import TokenLogprob
 from .detokenize import TextState
 from .engine import EngineRequest, FinishEvent
-from .protocol import ApiError
+from .errors import ApiError
 from .responses import (
     AssistantMessage,
     ChatChoice,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .protocol import ApiError
+from .errors import ApiError
 
 REQUEST_ID = "verispec.request_id"  # the scope key holding the request's id
 REQUEST_ID_HEADER = "x-request-id"

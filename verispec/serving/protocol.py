@@ -1,17 +1,17 @@
-"""The OpenAI API's request bodies as pydantic models, and its error shape.
+"""The OpenAI API's request bodies as pydantic models.
 
 FastAPI validates every request body against these models before the app sees it, and ``/openapi.json``
 documents them. Every validation error becomes one HTTP 400 in OpenAI's shape (``ApiError``). Fields that
 would change the output and that this server does not implement are refused, never silently ignored; other
-unknown fields are ignored, as OpenAI-compatible servers do. The response bodies are in ``responses.py``.
+unknown fields are ignored, as OpenAI-compatible servers do. The response bodies are in ``responses.py``,
+the error shape in ``errors.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from fastapi.responses import JSONResponse
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .config import MAX_CHOICES
+from .errors import short as _short
 
 MAX_STOP_STRINGS = 16
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
@@ -36,75 +37,8 @@ MAX_DRAFT_TOKENS = 64
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
 
 
-# --------------------------------------------------------------------------------------------------- errors
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """OpenAI's error body."""
-
-    error: ErrorDetail
-
-
-class ApiError(Exception):
-    """A request the server refuses, answered in OpenAI's error shape."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.kind = message, param, code, status, kind
-        self.headers = headers
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.param, self.code, self.kind), status_code=self.status,
-                            headers=self.headers)
-
-
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               kind: str = "invalid_request_error") -> dict:
-    return ErrorResponse(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
-
-
-# Error types raised by the validators below: their messages already name the field.
-_OWN_ERRORS = {"invalid_type", "invalid_value", "unsupported_parameter", "unsupported_content"}
 # Raised inside a field (a string in a list, a message's content): reported as it is, never as a type error.
 _PASS_THROUGH = "invalid_text"
-
-
-def validation_error(errors: Sequence[dict]) -> ApiError:
-    """The first of FastAPI's request validation errors as an ``ApiError`` naming the field (``param``)."""
-    error = errors[0] if errors else {"type": "invalid_value", "loc": (), "msg": "invalid request"}
-    kind = error.get("type", "")
-    loc = tuple(error.get("loc", ()))
-    loc = loc[1:] if loc[:1] == ("body",) else loc
-    if kind == "json_invalid":
-        detail = (error.get("ctx") or {}).get("error", "")
-        return ApiError(f"the request body is not valid JSON: {detail}", code="invalid_json")
-    if not loc:
-        return ApiError("the request body must be a JSON object, sent as Content-Type: application/json",
-                        code="invalid_json")
-    param = loc[0] if isinstance(loc[0], str) else None
-    path = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-    if kind in _OWN_ERRORS:  # the message names the field already, unless the field is inside a list
-        return ApiError(error["msg"] if len(loc) == 1 else f"'{path}': {error['msg']}", param, kind)
-    message = f"'{path}': {error.get('msg', 'invalid value')}"
-    value = error.get("input")
-    if kind != "missing" and isinstance(value, (int, float, str, type(None))):
-        message += f", got {_short(value)}"
-    code = "missing_required_parameter" if kind == "missing" else (
-        "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value")
-    return ApiError(message, param, code)
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------ field types
