@@ -9,7 +9,6 @@ Run under the machine-wide lock:  flock /tmp/verispec-heavy.lock timeout 600 .ve
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import sys
 import time
@@ -17,6 +16,9 @@ from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from run import cpu_name  # noqa: E402  (benchmarks/run.py)
 
 HERE = Path(__file__).parent
 TOKENIZER = next((Path.home() / ".cache/verispec/hf").glob("qwen2.5-coder-1.5b-instruct-*")) / "tokenizer"
@@ -27,13 +29,6 @@ SCHEMA = {"type": "object", "properties": {
                 "required": ["city", "zip"]}}, "required": ["name", "age", "tags", "address"]}
 DOCUMENT = {"name": "Ada Lovelace", "age": 36, "tags": ["math", "engines", "poetry"],
             "address": {"city": "London", "zip": "W1"}}
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def timed(fn):
@@ -123,7 +118,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     text = json.dumps(DOCUMENT)
     tokens = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-    results = {"machine": f"{cpu_model()}, {torch.get_num_threads()} torch threads", "document_tokens": len(tokens),
+    results = {"machine": f"{cpu_name()}, {torch.get_num_threads()} torch threads", "document_tokens": len(tokens),
                "command": "flock /tmp/verispec-heavy.lock timeout 600 .venv/bin/python benchmarks/grammar/mask_cost.py"}
     for name, fn in [("llguidance", lambda: bench_llguidance(tokenizer, text, tokens)),
                      ("xgrammar", lambda: bench_xgrammar(tokenizer, tokens)),

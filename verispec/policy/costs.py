@@ -34,10 +34,14 @@ class CostCurve(dict[int, Ema]):
     def add(self, size: int, seconds: float) -> None:
         self.setdefault(size, Ema()).add(seconds)
 
+    def _known(self) -> list[tuple[int, float]]:
+        """``(size, seconds)`` of every measured size, smallest first."""
+        return sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
+
     def at(self, size: int) -> float:
         """The measured value at ``size``, else interpolated linearly between the nearest measured sizes, else
         extrapolated with the slope of the two nearest (never decreasing; flat if only one is measured)."""
-        known = sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
+        known = self._known()
         below = [(s, y) for s, y in known if s <= size]
         above = [(s, y) for s, y in known if s >= size]
         if below and above:
@@ -53,7 +57,7 @@ class CostCurve(dict[int, Ema]):
     def proportional(self, size: int) -> float:
         """Like ``at`` between measured sizes; outside them, proportional to the size from the nearest measured
         one (a pass over many tokens is compute-bound: its cost grows with every token)."""
-        known = sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
+        known = self._known()
         if size > known[-1][0]:
             return known[-1][1] * size / known[-1][0]
         if size < known[0][0]:

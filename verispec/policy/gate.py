@@ -85,9 +85,8 @@ class DraftGate:
             return self._close(row_gammas, GateDecision(False, "measure", rows, acceptance=acceptance))
         tokens = sum(1.0 if t is None else t for t in row_tokens)
         draft_pass = self.costs.draft_cost(rows)
-        catch_up = 0.0  # what the first draft pass costs beyond an ordinary one
-        if backlog > 0 and self.costs.catch_up:
-            catch_up = self.costs.catch_up_cost(backlog)
+        # What feeding the draft's backlog costs (0 while never timed: the first catch-up measures it).
+        catch_up = (self.costs.catch_up_cost(backlog) or 0.0) if backlog > 0 else 0.0
         horizon = 1.0  # steps over which the catch-up pays: the rows' mean remaining tokens / tokens per row-step
         if remaining:
             horizon = max(1.0, sum(remaining) / len(remaining) * rows / max(tokens, 1.0))
