@@ -214,8 +214,9 @@ class DecodeBatch:
             row.policy.choose(row.max_new_tokens - len(row.output) - 1, batch_rows) if self.drafter is not None else 0
             for row in self.rows
         ]
-        if self.gate is not None:  # does drafting pay at all at this batch size? (policy/gate.py)
-            row_gammas = self.gate.decide(row_gammas, [row.policy.expected_tokens(g) for row, g in zip(self.rows, row_gammas)],
+        if self.gate is not None:  # how long, if at all, drafting pays at this batch size (policy/gate.py)
+            curves = [row.policy.expected_tokens_upto(g) for row, g in zip(self.rows, row_gammas)]
+            row_gammas = self.gate.decide(row_gammas, curves,
                                           [row.policy.acceptance() for row in self.rows], backlog=self.drafter.backlog(),
                                           remaining=[row.max_new_tokens - len(row.output) for row in self.rows])
             self.stats.record_gate(self.gate.last.to_dict(), self.gate.closed_steps)

@@ -17,7 +17,7 @@ from .acceptance import AcceptanceEstimate, AcceptancePool, PositionCounts
 from .auto import CostModelGamma
 from .base import FixedGamma, GammaPolicy, StepRecord
 from .costs import CostCurve, CostTable, Ema
-from .formula import best_gamma, expected_tokens, expected_tokens_by_position
+from .formula import best_gamma, expected_tokens, expected_tokens_by_position, expected_tokens_curve
 from .gate import DraftGate, GateDecision
 from .heuristic import HeuristicGamma
 
@@ -38,6 +38,7 @@ __all__ = [
     "best_gamma",
     "expected_tokens",
     "expected_tokens_by_position",
+    "expected_tokens_curve",
     "make_gamma_policy",
 ]
 

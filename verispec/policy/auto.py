@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from .acceptance import AcceptanceEstimate
 from .base import GammaPolicy, StepRecord
 from .costs import CostTable
-from .formula import best_gamma, expected_tokens_by_position
+from .formula import best_gamma, expected_tokens_by_position, expected_tokens_curve
 
 
 @dataclass
@@ -94,6 +94,9 @@ class CostModelGamma(GammaPolicy):
 
     def expected_tokens(self, gamma: int) -> float:
         return expected_tokens_by_position(self._acceptance(gamma), gamma)
+
+    def expected_tokens_upto(self, gamma: int) -> list[float]:
+        return expected_tokens_curve(self._acceptance(gamma), gamma)
 
     def acceptance(self) -> float:
         return self.estimate.acceptance

@@ -64,6 +64,10 @@ class GammaPolicy:
         acceptance estimate (then the batch's draft gate never overrides its choice)."""
         return None
 
+    def expected_tokens_upto(self, gamma: int) -> list[float] | None:
+        """``[g]``: ``expected_tokens(g)`` for g = 0..gamma (what the draft gate weighs); None without an estimate."""
+        return None
+
     def acceptance(self) -> float | None:
         """This row's per-draft acceptance estimate, if the policy keeps one (telemetry)."""
         return None

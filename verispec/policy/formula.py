@@ -23,6 +23,15 @@ def expected_tokens_by_position(acceptance: list[float], gamma: int) -> float:
     return total
 
 
+def expected_tokens_curve(acceptance: list[float], gamma: int) -> list[float]:
+    """``[g]`` = ``expected_tokens_by_position(acceptance, g)`` for g = 0..gamma, in one pass."""
+    curve, survive = [1.0], 1.0
+    for i in range(gamma):
+        survive *= acceptance[i]
+        curve.append(curve[-1] + survive)
+    return curve
+
+
 def best_gamma(acceptance: float | list[float], draft_cost: float, target_cost: list[float], max_gamma: int) -> int:
     """argmax over g in [0, max_gamma] of expected tokens / (g * draft_cost + target_cost[g]), where
     ``target_cost[g]`` is the cost of scoring g+1 tokens and ``acceptance`` one rate (iid) or one conditional
