@@ -4,8 +4,9 @@ from .base import Drafter, Proposal, per_row
 from .composite import CompositeDrafter
 from .cross_tokenizer import CrossTokenizerDrafter
 from .early_exit import EarlyExitDrafter
+from .intersection import IntersectionDrafter
 from .model import ModelDrafter
 from .ngram import NGramDrafter
 
-__all__ = ["CompositeDrafter", "CrossTokenizerDrafter", "Drafter", "EarlyExitDrafter", "ModelDrafter", "NGramDrafter",
-           "Proposal", "per_row"]
+__all__ = ["CompositeDrafter", "CrossTokenizerDrafter", "Drafter", "EarlyExitDrafter", "IntersectionDrafter",
+           "ModelDrafter", "NGramDrafter", "Proposal", "per_row"]
