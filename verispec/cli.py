@@ -37,6 +37,7 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
     try:
         return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
                     draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
+                    cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
                     stop_drafting=getattr(args, "stop_drafting", True))
     except LoadError as error:
         raise CliError(str(error)) from error
@@ -204,7 +205,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, defaults=defaults, progress=not args.no_progress,
                         ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
-                        draft_quant=args.draft_quant, num_draft_tokens=gamma, stop_drafting=args.stop_drafting)
+                        draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, num_draft_tokens=gamma,
+                        stop_drafting=args.stop_drafting)
     _log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
@@ -222,7 +224,8 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
     spec = ReplicaSpec(
         target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
         load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
-                      "num_draft_tokens": gamma, "stop_drafting": args.stop_drafting},
+                      "cross_tokenizer": args.cross_tokenizer, "num_draft_tokens": gamma,
+                      "stop_drafting": args.stop_drafting},
         max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
         max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
@@ -261,6 +264,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                         help="do not pre-pack the target's linear layers nor quantise the draft")
     parser.add_argument("--draft-quant", choices=["int4", "int8", "none"], default="int4",
                         help="CPU draft weights: int4 (default; int8 where the int4 kernel cannot run), int8 or none")
+    parser.add_argument("--cross-tokenizer", choices=["text", "intersection"], default="text",
+                        help="a draft with another tokenizer drafts through text (default) or the tokens both "
+                             "vocabularies share")
     parser.add_argument("--stop-drafting", action=argparse.BooleanOptionalAction, default=True,
                         help="with --num-draft-tokens auto and a draft model: end a block early once the draft's "
                              "own confidence in it is below the cost model's threshold (default: on)")

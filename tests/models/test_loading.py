@@ -230,6 +230,7 @@ def test_load_passes_decoder_options_and_dtype(code_models: dict[str, str]) -> N
         ({"dtype": "float13"}, LoadError, "unsupported dtype"),
         ({"device": "warp-drive"}, LoadError, "unknown device"),
         ({"draft_quant": "int2"}, ValueError, "draft_quant"),
+        ({"cross_tokenizer": "bytes"}, ValueError, "cross_tokenizer"),
         ({"num_draft_tokens": 0}, ValueError, "num_draft_tokens"),
         ({"num_draft_tokens": "many"}, ValueError, "num_draft_tokens"),
         ({"temprature": 0.5}, TypeError, "temprature"),
@@ -245,7 +246,7 @@ def test_bad_options_fail_before_loading_anything(code_models: dict[str, str], k
 
 
 def test_unknown_name_is_a_load_error_and_another_tokenizer_drafts_through_text(code_models: dict[str, str]) -> None:
-    from verispec.drafters import CrossTokenizerDrafter
+    from verispec.drafters import CrossTokenizerDrafter, IntersectionDrafter
     from verispec.models.loading import check_same_tokenizer
 
     with pytest.raises(LoadError) as error:
@@ -262,6 +263,10 @@ def test_unknown_name_is_a_load_error_and_another_tokenizer_drafts_through_text(
         check_same_tokenizer(tokenizer, decoder.drafter.draft_tokenizer)
     with pytest.raises(LoadError, match="does not exist"):
         verispec.load(code_models["target"], "/no/such/draft")
+    decoder, _ = verispec.load(code_models["target"], code_models["other"], num_draft_tokens=3,
+                               cross_tokenizer="intersection")
+    assert type(decoder.drafter) is IntersectionDrafter and len(decoder.drafter.shared[0]) > 0
+    assert decoder.generate([ids], max_new_tokens=8).tokens == decoder.generate([ids], max_new_tokens=8, draft=None).tokens
 
 
 # -------------------------------------------------------------------- EOS

@@ -113,6 +113,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
             self.fed[row] += ids[row][mask[row]].tolist()
         all_greedy = all(p.greedy for p in self.params)
         target_ids, target_probs = [], []
+        choice = torch.zeros(rows, dtype=torch.long)  # [B] each row's last draft, as an index into the shared tokens
         for j in range(k):
             if j > 0:
                 step = self.draft_ids[choice][:, None]  # [B, 1] the last drafted token, in draft ids

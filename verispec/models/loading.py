@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["LoadError", "check_same_tokenizer", "load", "load_model", "same_tokenizer"]
 
 DRAFT_QUANTS = ("int4", "int8", "none")
+CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
 
 
 class LoadError(ValueError):
@@ -105,7 +106,7 @@ def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progre
 
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
-         progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
+         cross_tokenizer: str = "text", progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
     ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
@@ -122,19 +123,24 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
     ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
 
-    A draft whose tokenizer differs from the target's drafts text through a ``CrossTokenizerDrafter`` (its text
-    re-tokenised for the target, verified as one-hot drafts: exact, greedy and sampled).
+    A draft whose tokenizer differs from the target's drafts as ``cross_tokenizer`` says: ``"text"`` through a
+    ``CrossTokenizerDrafter`` (its greedy text re-tokenised for the target, verified as one-hot drafts) or
+    ``"intersection"`` through an ``IntersectionDrafter`` (its distribution restricted to the tokens both
+    vocabularies share); both exact, greedy and sampled. ``benchmarks/BLOCK_CROSS.md`` compares them.
 
     Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device and a model that cannot be found or
-    loaded; ``ValueError`` for a bad ``draft_quant`` or
+    loaded; ``ValueError`` for a bad ``draft_quant``, ``cross_tokenizer`` or
     ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options are checked before any model
     is loaded.
     """
     from ..decode import SpeculativeDecoder
-    from ..drafters import CrossTokenizerDrafter, NGramDrafter
+    from ..drafters import CrossTokenizerDrafter, IntersectionDrafter, NGramDrafter
 
     if draft_quant not in DRAFT_QUANTS:
         raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
+    if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
+        raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
+                         f"got {cross_tokenizer!r}")
     torch_dtype, torch_device = _dtype(dtype), _device(device)
     _check_decoder_options(decoder_options)
 
@@ -150,9 +156,14 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft_model, draft_tokenizer = load_model(draft, torch_dtype, torch_device, progress)
         if fast:
             draft_model = _fast_draft(draft_model, draft_quant, progress)
-        if not same_tokenizer(tokenizer, draft_tokenizer):
+        if not same_tokenizer(tokenizer, draft_tokenizer) and cross_tokenizer == "text":
             say(progress, "draft: another tokenizer: its text is re-tokenised for the target (one-hot drafts, exact)")
             drafter, draft_model = CrossTokenizerDrafter(draft_model, draft_tokenizer, tokenizer), None
+        elif not same_tokenizer(tokenizer, draft_tokenizer):
+            drafter = IntersectionDrafter(draft_model, draft_tokenizer, tokenizer)
+            say(progress, f"draft: another tokenizer: it drafts the {len(drafter.shared[0])} tokens both vocabularies "
+                          "share (exact)")
+            draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
     return decoder, tokenizer
