@@ -240,3 +240,26 @@ def test_one_optimistic_row_does_not_set_the_batchs_draft_length():
     assert gate.decide(wanted, curves, [0.6] * 4) == [min(g, best) for g in wanted]
     assert gate.last.reason == "pays" and gate.last.cap == best
     assert abs(gate.last.draft_tokens_per_s - rate(best)) < 1e-9
+
+
+def test_costs_beyond_the_largest_measured_pass_grow_along_a_wide_secant():
+    """Two neighbouring sizes differ by noise (31 measured slower than 32): extrapolating their slope would
+    price 384 tokens like 32. The secant to half the largest size keeps the growth."""
+    costs = CostTable()
+    for size, seconds in {1: 0.3, 8: 0.32, 16: 0.4, 31: 0.66, 32: 0.65}.items():
+        costs.target.add(size, seconds)
+    assert abs(costs.target.at(384) - (0.65 + (0.65 - 0.4) / 16 * 352)) < 1e-12
+    assert abs(costs.target.at(24) - (0.4 + 0.26 * 8 / 15)) < 1e-12  # between measured sizes: interpolated
+    costs.draft.add(1, 0.05)
+    assert costs.draft.at(32) == 0.05  # one size measured: flat
+
+
+def test_a_burst_never_scores_more_than_twice_the_largest_pass_timed():
+    costs = synthetic_costs([1])  # passes of 1..13 tokens timed at batch 1
+    costs.target.add(32, target_seconds(32))  # the k = 0 step at the burst's size
+    gate = DraftGate(costs)
+    # Rows sure of their drafts want 11 each; with a cheap draft the model would take long blocks.
+    assert gate.decide([11] * 32, [curve(0.95, 11)] * 32, [0.95] * 32) == [1] * 32
+    assert gate.last.cap == 1  # 32 x 2 tokens: twice the largest pass timed
+    costs.target.add(64, target_seconds(64))
+    assert max(gate.decide([11] * 32, [curve(0.95, 11)] * 32, [0.95] * 32)) <= 3  # 32 x 4 <= 2 x 64

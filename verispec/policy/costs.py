@@ -39,8 +39,11 @@ class CostCurve(dict[int, Ema]):
         return sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
 
     def at(self, size: int) -> float:
-        """The measured value at ``size``, else interpolated linearly between the nearest measured sizes, else
-        extrapolated with the slope of the two nearest (never decreasing; flat if only one is measured)."""
+        """The measured value at ``size``, else interpolated linearly between the nearest measured sizes; above
+        them, extrapolated from the largest along the secant to the value at half its size (or the smallest
+        measured, if larger): a wide secant, since the slope between two neighbouring sizes is mostly noise and
+        a flat one would price a pass of 384 tokens like one of 32. Never decreasing; flat if only one size is
+        measured; below the smallest, that one's value."""
         known = self._known()
         below = [(s, y) for s, y in known if s <= size]
         above = [(s, y) for s, y in known if s >= size]
@@ -48,9 +51,11 @@ class CostCurve(dict[int, Ema]):
             (x0, y0), (x1, y1) = below[-1], above[0]
             return y0 if x0 == x1 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
         if below:
+            (x1, y1) = below[-1]
             if len(below) < 2:
-                return below[-1][1]
-            (x0, y0), (x1, y1) = below[-2], below[-1]
+                return y1
+            x0 = max(x1 / 2, below[0][0])
+            y0 = self.at(x0)  # within the measured range: interpolated
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (size - x1)
         return above[0][1]
 

@@ -10,7 +10,8 @@ compares, from measured costs at the current batch size B (``CostTable``) and ea
 - the target alone (c = 0): ``B / t_target(B)``,
 
 and takes the best c: each row chose its length as if the whole batch drafted like it, and one optimistic row
-must not set every row's cost. Catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the
+must not set every row's cost. c is at most what scores twice the largest pass ever timed (costs beyond are
+extrapolated guesses). Catch-up is what feeding a lagging draft cache costs (``t_catch_up(n)`` for the
 n tokens of its backlog: new rows' prompts, tokens of steps without drafts), spread over the H steps the rows
 have left, since it is paid once. The gate closes (every row drafts 0) when the target alone is faster than
 every cap, and also when whole steps with and without drafts, both measured at this batch size, say so (they
@@ -99,7 +100,12 @@ class DraftGate:
             horizon = 1.0 if mean_remaining is None else max(1.0, mean_remaining * rows / max(tokens, 1.0))
             return tokens / (cap * draft_pass + self.costs.target.at(rows * (cap + 1)) + catch_up / horizon)
 
-        cap = max(range(1, gamma + 1), key=lambda c: (rate(c), -c))  # ties go to the shorter draft
+        # Never score more than twice the largest pass ever timed: beyond it costs are extrapolated, and a burst
+        # must not pay for a guess with a pass of 32 x 12 tokens. Each step that drafts widens what is known.
+        caps = [c for c in range(1, gamma + 1) if rows * (c + 1) <= 2 * max(self.costs.target)]
+        if not caps:
+            return self._close(row_gammas, GateDecision(False, "slower", rows, acceptance=acceptance))
+        cap = max(caps, key=lambda c: (rate(c), -c))  # ties go to the shorter draft
         with_drafts, alone = rate(cap), rows / self.costs.target.at(rows)
         capped = [min(g, cap) for g in row_gammas]
         pays = with_drafts >= alone
