@@ -1,13 +1,16 @@
 """Serving benchmark: ``verispec serve`` under 1, 4, 16 and 32 concurrent clients, speculative vs the target alone.
 
-    python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 3] [--max-tokens 48] [--out benchmarks]
+    python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 3] [--max-tokens 48] [--repeats 2]
+                               [--out benchmarks]
 
 One process loads the real pair once (target pre-packed, draft int4, as ``verispec serve`` does) and serves the
 same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
 (the same engine, no drafter, sharing the target's weights). Each client sends streamed greedy completions of
 the prompts in ``prompts.json`` one after another; per request it records the time to the first text, the time
 per output token after it and the whole latency; per level, throughput (completion tokens per second of wall
-time). Levels are interleaved (speculative, alone, speculative, ...) so machine noise hits both alike.
+time). Each level runs ``--repeats`` times per mode in A B B A order (speculative, alone, alone, speculative)
+so that a drift in machine speed hits both alike; a mode's throughput is its tokens over its summed wall time,
+and each repeat's own throughput is reported as the spread.
 Greedy outputs must be identical between the two modes, whatever the batch: the script checks and reports it.
 Writes ``serve.json`` and ``SERVE.md``. Compare ratios, not absolute times: the machine is shared.
 """
@@ -108,7 +111,10 @@ async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
 
     start = time.perf_counter()
     results = [r for rs in await asyncio.gather(*[client_loop(i) for i in range(clients)]) for r in rs]
-    wall = time.perf_counter() - start
+    return summarise(clients, results, time.perf_counter() - start)
+
+
+def summarise(clients: int, results: list[dict], wall: float) -> dict:
     tokens = sum(r["completion_tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "wall_s": wall, "completion_tokens": tokens,
             "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
@@ -117,7 +123,18 @@ async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
             "tpot_s": percentiles([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
             "acceptance_rate": mean([r["acceptance_rate"] for r in results]),
             "tokens_per_target_pass": mean([r["tokens_per_target_pass"] for r in results]),
-            "outputs": {r["prompt"]: r["text"] for r in results}}
+            "outputs": {r["prompt"]: r["text"] for r in results}, "requests_detail": results}
+
+
+def combine(runs: list[dict]) -> dict:
+    """A level's repeats of one mode: throughput over their summed wall time, percentiles of every request,
+    and each repeat's own throughput (the spread)."""
+    if len(runs) == 1:
+        return {**runs[0], "throughput_by_repeat": [runs[0]["throughput_tok_s"]]}
+    requests = [r for run in runs for r in run["requests_detail"]]
+    out = summarise(runs[0]["clients"], requests, sum(run["wall_s"] for run in runs))
+    out["throughput_by_repeat"] = [run["throughput_tok_s"] for run in runs]
+    return out
 
 
 def percentiles(values: list[float]) -> dict:
@@ -152,11 +169,12 @@ def markdown(results: dict) -> str:
     lines = [
         "# Serving benchmark (`benchmarks/serve.py`)", "",
         f"Target `{results['target']}`, draft `{results['draft']}`, greedy, {results['max_tokens']} tokens per "
-        f"request, streamed; {results['requests_per_client']} requests per client; machine: {results['machine']}.",
+        f"request, streamed; {results['requests_per_client']} requests per client; {results['repeats']} repeats per "
+        f"mode and level (A B B A); machine: {results['machine']}.",
         f"Command: `{results['command']}`", "",
         "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
-        "| acceptance | tokens per pass |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| acceptance | tokens per pass | tok/s by repeat |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level in results["levels"]:
         alone = level["target_alone"]["throughput_tok_s"]
@@ -167,7 +185,8 @@ def markdown(results: dict) -> str:
                 f"| {mode} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
                 f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
                 f"{tpot.get('p50', 0):.3f} / {tpot.get('p90', 0):.3f} | "
-                f"{(r['acceptance_rate'] or 0):.2f} | {(r['tokens_per_target_pass'] or 0):.2f} |")
+                f"{(r['acceptance_rate'] or 0):.2f} | {(r['tokens_per_target_pass'] or 0):.2f} | "
+                f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} |")
     lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**."]
     return "\n".join(lines) + "\n"
 
@@ -180,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode and level, in A B B A order")
     parser.add_argument("--max-batch-size", type=int, default=32, help="as verispec serve's default")
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
@@ -195,17 +215,21 @@ def main(argv: list[str] | None = None) -> int:
     eos = eos_token_ids(tokenizer, speculative.target_model)
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
-               "requests_per_client": args.requests_per_client, "command": " ".join(sys.argv),
+               "requests_per_client": args.requests_per_client, "repeats": args.repeats, "command": " ".join(sys.argv),
                "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
                "levels": []}
     identical = True
+    modes = {"speculative": speculative, "target_alone": alone}
     for clients in [int(c) for c in args.concurrency.split(",")]:
-        level = {}
-        for mode, decoder in (("speculative", speculative), ("target_alone", alone)):
-            log(f"{mode}, {clients} clients")
-            level[mode] = serve_and_measure(decoder, tokenizer, eos, max_context, args, prompts, clients)
-            log(f"  {level[mode]['throughput_tok_s']:.2f} tok/s, latency p50 {level[mode]['latency_s']['p50']:.2f} s")
-        same = level["speculative"]["outputs"] == level["target_alone"]["outputs"]
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for repeat in range(args.repeats):  # A B B A ...: a drift in machine speed hits both modes alike
+            for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:
+                log(f"{mode}, {clients} clients, repeat {repeat + 1}/{args.repeats}")
+                runs[mode].append(serve_and_measure(modes[mode], tokenizer, eos, max_context, args, prompts, clients))
+                log(f"  {runs[mode][-1]['throughput_tok_s']:.2f} tok/s, "
+                    f"latency p50 {runs[mode][-1]['latency_s']['p50']:.2f} s")
+        level = {mode: combine(rs) for mode, rs in runs.items()}
+        same = all(r["outputs"] == runs["target_alone"][0]["outputs"] for rs in runs.values() for r in rs)
         identical = identical and same
         if not same:
             log(f"outputs differ at {clients} clients (a bug, or a near-tie of two logits: see PITFALLS #1)")
