@@ -10,7 +10,8 @@ from verispec.serving.metrics import Metrics
 
 
 def test_gate_decision_and_acceptance_estimate_are_exported() -> None:
-    decision = GateDecision(False, "slower", 16, draft_tokens_per_s=110.0, alone_tokens_per_s=140.0, acceptance=0.7)
+    decision = GateDecision(False, "slower", 16, draft_tokens_per_s=110.0, alone_tokens_per_s=140.0, acceptance=0.7,
+                            cap=2)
     state = {"running": 16, "waiting": 0, "draft_gate_closed_steps": 12, "draft_gate": decision.to_dict()}
     samples = parse_metrics(Metrics(lambda: state, lambda: 0).render().decode())
     assert samples["verispec_draft_gate_closed_steps_total"] == 12
@@ -19,6 +20,7 @@ def test_gate_decision_and_acceptance_estimate_are_exported() -> None:
     assert samples['verispec_draft_gate_expected_tokens_per_second{mode="draft"}'] == 110.0
     assert samples['verispec_draft_gate_expected_tokens_per_second{mode="alone"}'] == 140.0
     assert samples["verispec_acceptance_estimate"] == 0.7
+    assert samples["verispec_draft_gate_cap"] == 2
 
 
 def test_no_decision_yet() -> None:

@@ -46,7 +46,8 @@ class _EngineCollector:
 
 def _gate_metrics(metrics: Mapping) -> Iterator[Metric]:
     """The draft gate (``verispec.policy.gate``): whether the last step drafted, why, what the cost model expected
-    with and without drafts at that batch size, and the drafting rows' acceptance estimate."""
+    with and without drafts at that batch size, the draft-length cap it chose, and the drafting rows' acceptance
+    estimate."""
     yield CounterMetricFamily("verispec_draft_gate_closed_steps",
                               "Steps in which the draft gate chose k = 0 for the whole batch although rows wanted to draft.",
                               value=metrics.get("draft_gate_closed_steps", 0))
@@ -66,6 +67,10 @@ def _gate_metrics(metrics: Mapping) -> Iterator[Metric]:
         if last.get(key) is not None:
             rates.add_metric([mode], last[key])
     yield rates
+    if last.get("cap") is not None:
+        yield GaugeMetricFamily("verispec_draft_gate_cap",
+                                "The longest draft the cost model rated best for the last step (rows capped at it).",
+                                value=float(last["cap"]))
     if last.get("acceptance") is not None:
         yield GaugeMetricFamily("verispec_acceptance_estimate",
                                 "Mean per-draft acceptance estimate of the rows that wanted to draft at the last step.",
