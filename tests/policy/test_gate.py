@@ -263,3 +263,18 @@ def test_a_burst_never_scores_more_than_twice_the_largest_pass_timed():
     assert gate.last.cap == 1  # 32 x 2 tokens: twice the largest pass timed
     costs.target.add(64, target_seconds(64))
     assert max(gate.decide([11] * 32, [curve(0.95, 11)] * 32, [0.95] * 32)) <= 3  # 32 x 4 <= 2 x 64
+
+
+def test_a_first_slow_pass_at_a_new_size_cannot_price_it_out_for_good():
+    """The first pass at a new shape builds its kernels (seconds more on a CPU): taken at face value, that size
+    would look too dear to choose again, so it would never be re-measured."""
+    costs = CostTable()
+    for size, seconds in {1: 0.30, 4: 0.32, 8: 0.34}.items():
+        costs.target.add(size, seconds)
+    costs.target.add(12, 1.07)  # a first pass with its kernels built
+    assert abs(costs.target.at(12) - 1.5 * (0.34 + (0.34 - 0.32) / 4 * 4)) < 1e-12  # capped at 1.5x the curve
+    costs.target.add(3, 0.61)  # an outlier below a larger measured size
+    assert costs.target.at(3) <= costs.target.at(4) == 0.32  # never more than a larger measured size
+    for _ in range(30):  # sizes measured again converge on their own times
+        costs.target.add(12, 0.36)
+    assert abs(costs.target.at(12) - 0.36) < 1e-3

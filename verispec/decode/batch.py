@@ -248,8 +248,9 @@ class DecodeBatch:
         if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
             self.costs.observe(record)
         finished = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
-        if self.gate is not None:
-            self.gate.observe(batch_rows, k > 0, sum(len(t) for t in new_tokens), time.perf_counter() - step_start)
+        if self.gate is not None:  # the backlog's pass is paid once and priced apart: not part of the step's rate
+            seconds = time.perf_counter() - step_start - (proposal.catch_up[1] if proposal.catch_up else 0.0)
+            self.gate.observe(batch_rows, k > 0, sum(len(t) for t in new_tokens), seconds)
         return finished
 
     def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,

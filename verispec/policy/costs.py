@@ -29,9 +29,19 @@ class Ema:
 
 
 class CostCurve(dict[int, Ema]):
-    """Seconds by size (tokens scored, or batch rows), one moving average per measured size."""
+    """Seconds by size (tokens scored, or batch rows), one moving average per measured size.
+
+    Timing noise only ever adds time (another process, a collection, and above all the first pass at a new
+    shape, which builds its kernels: 0.7 s more for the 1.5B target on this CPU). A size the model then prices
+    too high is never chosen again, so never re-measured; so a new size's first time counts at most
+    ``first_cap`` times what the curve predicted there (once two sizes are known), and a size costs no more
+    than any larger one measured."""
+
+    first_cap = 1.5
 
     def add(self, size: int, seconds: float) -> None:
+        if size not in self and len(self._known()) >= 2:  # one size alone predicts nothing (flat)
+            seconds = min(seconds, self.first_cap * self.at(size))
         self.setdefault(size, Ema()).add(seconds)
 
     def _known(self) -> list[tuple[int, float]]:
@@ -43,13 +53,14 @@ class CostCurve(dict[int, Ema]):
         them, extrapolated from the largest along the secant to the value at half its size (or the smallest
         measured, if larger): a wide secant, since the slope between two neighbouring sizes is mostly noise and
         a flat one would price a pass of 384 tokens like one of 32. Never decreasing; flat if only one size is
-        measured; below the smallest, that one's value."""
+        measured; below the smallest, that one's value (the smallest of the larger ones')."""
         known = self._known()
         below = [(s, y) for s, y in known if s <= size]
         above = [(s, y) for s, y in known if s >= size]
         if below and above:
             (x0, y0), (x1, y1) = below[-1], above[0]
-            return y0 if x0 == x1 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+            value = y0 if x0 == x1 else y0 + (y1 - y0) * (size - x0) / (x1 - x0)
+            return min(value, min(y for _, y in above))  # no more than a larger measured size
         if below:
             (x1, y1) = below[-1]
             if len(below) < 2:
@@ -57,7 +68,7 @@ class CostCurve(dict[int, Ema]):
             x0 = max(x1 / 2, below[0][0])
             y0 = self.at(x0)  # within the measured range: interpolated
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (size - x1)
-        return above[0][1]
+        return min(y for _, y in above)
 
     def proportional(self, size: int) -> float:
         """Like ``at`` between measured sizes; outside them, proportional to the size from the nearest measured
