@@ -278,3 +278,30 @@ def test_a_first_slow_pass_at_a_new_size_cannot_price_it_out_for_good():
     for _ in range(30):  # sizes measured again converge on their own times
         costs.target.add(12, 0.36)
     assert abs(costs.target.at(12) - 0.36) < 1e-3
+
+
+def test_a_gain_within_the_margin_does_not_open_the_gate_at_batch_above_1():
+    """Predicted gains of a few percent are within the costs' noise at batch > 1; at batch 1 any gain is taken."""
+    costs = synthetic_costs([1, 4])
+    assert DraftGate(costs).margin == 0.05
+    marginal = []
+    for step in range(1, 200):
+        acceptance = step / 200
+        loose = DraftGate(costs, margin=0.0)  # fresh gates: a closed one would probe every few steps
+        loose.decide([3] * 4, [curve(acceptance, 3)] * 4, [acceptance] * 4)
+        gain = loose.last.draft_tokens_per_s / loose.last.alone_tokens_per_s
+        if 1.0 < gain < 1.05:
+            marginal.append(acceptance)
+        if loose.last.open:
+            assert loose.last.reason == "pays" and gain >= 1.0
+    assert marginal  # the grid is fine enough to hit gains between 0% and 5%
+    for acceptance in marginal:
+        strict = DraftGate(costs)
+        assert strict.decide([3] * 4, [curve(acceptance, 3)] * 4, [acceptance] * 4) == [0] * 4
+        assert strict.last.reason == "slower"
+    # Well above the margin it opens at batch 4; at batch 1 the margin does not apply.
+    assert DraftGate(costs).decide([3] * 4, [curve(0.95, 3)] * 4, [0.95] * 4) == [3] * 4
+    for acceptance in marginal:
+        single = DraftGate(costs)
+        opened = single.decide([3], [curve(acceptance, 3)], [acceptance]) != [0]
+        assert opened == (single.last.draft_tokens_per_s >= single.last.alone_tokens_per_s)
