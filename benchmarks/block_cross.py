@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--parts", default="block,cross")
     parser.add_argument("--rows", type=int, default=0, help="also a batched tokens-per-pass comparison: rows per prompt")
     args = parser.parse_args()
-    all_prompts = [p for p in json.loads((ROOT / "benchmarks/prompts.json").read_text()) if not p.get("chat")]
+    all_prompts = [p for p in json.loads((ROOT / "benchmarks/prompts.json").read_text()) if p["kind"] != "chat"]
     texts = [p["text"] for p in all_prompts[: args.prompts]]
     results: dict = {"machine": cpu_name(), "command": " ".join(sys.argv), "prompts": len(texts),
                      "max_new_tokens": args.tokens}

@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--settings", default="greedy,T0.7,T1.0")
     args = parser.parse_args()
     texts = [p["text"] for p in json.loads((ROOT / "benchmarks/prompts.json").read_text())
-             if not p.get("chat")][: args.prompts]
+             if p["kind"] != "chat"][: args.prompts]
     settings = {"greedy": {}, "T0.7": {"temperature": 0.7}, "T1.0": {"temperature": 1.0}}
     decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "smollm2-135m", num_draft_tokens=4, progress=log)
     text_drafter = decoder.drafter

@@ -54,7 +54,7 @@ def log(message: str) -> None:
 
 
 def encode(tokenizer, prompt: dict) -> list[int]:
-    if prompt.get("chat"):
+    if prompt["kind"] == "chat":  # the model's chat template, as a chat client would send it
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}],
                                             add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent))
     args = parser.parse_args(argv)
 
-    prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text()) if not p.get("chat")][: args.limit]
+    prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text())][: args.limit]  # every kind, as raw text
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                                     dtype="float32", device=args.device, fast=True)
     speculative, tokenizer = build_decoder(model_args, log)
