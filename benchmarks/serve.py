@@ -134,6 +134,10 @@ def combine(runs: list[dict]) -> dict:
     requests = [r for run in runs for r in run["requests_detail"]]
     out = summarise(runs[0]["clients"], requests, sum(run["wall_s"] for run in runs))
     out["throughput_by_repeat"] = [run["throughput_tok_s"] for run in runs]
+    out["gate_steps"] = {}
+    for run in runs:
+        for reason, n in run.get("gate_steps", {}).items():
+            out["gate_steps"][reason] = out["gate_steps"].get(reason, 0) + n
     return out
 
 
@@ -159,7 +163,12 @@ def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: 
     server = LiveServer(create_app(engine, tokenizer, MODEL, max_context, eos_token_ids=eos))
     try:
         asyncio.run(run_level(server.url, prompts[:1], 1, 1, 4))  # warm-up
-        return asyncio.run(run_level(server.url, prompts, clients, args.requests_per_client, args.max_tokens))
+        before = engine.metrics().get("draft_gate_steps", {})
+        result = asyncio.run(run_level(server.url, prompts, clients, args.requests_per_client, args.max_tokens))
+        after = engine.metrics().get("draft_gate_steps", {})
+        result["gate_steps"] = {reason: n - before.get(reason, 0) for reason, n in after.items()
+                                if n > before.get(reason, 0)}
+        return result
     finally:
         server.close()
         engine.shutdown()
@@ -173,8 +182,8 @@ def markdown(results: dict) -> str:
         f"mode and level (A B B A); machine: {results['machine']}.",
         f"Command: `{results['command']}`", "",
         "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
-        "| acceptance | tokens per pass | tok/s by repeat |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| acceptance | tokens per pass | tok/s by repeat | gate steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level in results["levels"]:
         alone = level["target_alone"]["throughput_tok_s"]
@@ -186,8 +195,13 @@ def markdown(results: dict) -> str:
                 f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
                 f"{tpot.get('p50', 0):.3f} / {tpot.get('p90', 0):.3f} | "
                 f"{(r['acceptance_rate'] or 0):.2f} | {(r['tokens_per_target_pass'] or 0):.2f} | "
-                f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} |")
-    lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**."]
+                f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} | "
+                f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('gate_steps', {}).items())) or '-'} |")
+    lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**.",
+              "", "Gate steps: the draft gate's decisions over each mode's repeats, by reason (`pays`: drafted as the "
+              "cost model chose; `slower`: k = 0 for the whole batch; `measure`: one k = 0 step at a new batch size; "
+              "`probe`: drafted while closed, to re-measure; `rows`: no row wanted to draft; `unmeasured`: before any "
+              "cost was timed). The target alone has no gate."]
     return "\n".join(lines) + "\n"
 
 

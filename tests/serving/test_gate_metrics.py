@@ -12,7 +12,8 @@ from verispec.serving.metrics import Metrics
 def test_gate_decision_and_acceptance_estimate_are_exported() -> None:
     decision = GateDecision(False, "slower", 16, draft_tokens_per_s=110.0, alone_tokens_per_s=140.0, acceptance=0.7,
                             cap=2)
-    state = {"running": 16, "waiting": 0, "draft_gate_closed_steps": 12, "draft_gate": decision.to_dict()}
+    state = {"running": 16, "waiting": 0, "draft_gate_closed_steps": 12, "draft_gate": decision.to_dict(),
+             "draft_gate_steps": {"slower": 12, "pays": 30, "probe": 2}}
     samples = parse_metrics(Metrics(lambda: state, lambda: 0).render().decode())
     assert samples["verispec_draft_gate_closed_steps_total"] == 12
     assert samples["verispec_draft_gate_open"] == 0
@@ -21,6 +22,9 @@ def test_gate_decision_and_acceptance_estimate_are_exported() -> None:
     assert samples['verispec_draft_gate_expected_tokens_per_second{mode="alone"}'] == 140.0
     assert samples["verispec_acceptance_estimate"] == 0.7
     assert samples["verispec_draft_gate_cap"] == 2
+    assert samples['verispec_draft_gate_steps_total{reason="pays"}'] == 30
+    assert samples['verispec_draft_gate_steps_total{reason="slower"}'] == 12
+    assert samples['verispec_draft_gate_steps_total{reason="probe"}'] == 2
 
 
 def test_no_decision_yet() -> None:
@@ -49,6 +53,9 @@ def test_the_engine_reports_its_gate_and_requests_choose_their_verifier() -> Non
         snapshot = engine.metrics()
         assert snapshot["draft_gate"]["reason"] in {"pays", "slower", "measure", "probe", "unmeasured", "rows"}
         assert snapshot["draft_gate_closed_steps"] >= 0
+        # Every step with a gate decision is counted under its reason; the last one among them.
+        assert snapshot["draft_gate_steps"][snapshot["draft_gate"]["reason"]] >= 1
+        assert snapshot["draft_gate_closed_steps"] <= sum(snapshot["draft_gate_steps"].values())
         with pytest.raises(ValueError, match="verification"):
             engine.submit(EngineRequest(prompt(4, 0), max_new_tokens=2, verification="blocks"), lambda event: None)
     finally:

@@ -116,6 +116,7 @@ class Engine:
         self.accepted_per_position: list[int] = []
         self.running = 0
         self.gate_closed_steps = 0  # steps the draft gate set to k = 0 (policy/gate.py), over every batch
+        self.gate_reasons: dict[str, int] = {}  # steps the gate decided, by reason, over every batch
         self.gate_last: dict | None = None  # its last decision
 
     # --- public API --------------------------------------------------------------------------------------
@@ -172,6 +173,7 @@ class Engine:
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
                 "draft_gate_closed_steps": self.gate_closed_steps,
+                "draft_gate_steps": dict(self.gate_reasons),
                 "draft_gate": self.gate_last,
             }
 
@@ -247,9 +249,12 @@ class Engine:
             self._batch.add(joining)
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
-            closed = self._batch.stats.gate_closed_steps
+            closed, decided = self._batch.stats.gate_closed_steps, sum(self._batch.stats.gate_reasons.values())
             finished += self._batch.step()
             self.gate_closed_steps += self._batch.stats.gate_closed_steps - closed
+            if sum(self._batch.stats.gate_reasons.values()) > decided:  # the gate decided this step
+                reason = self._batch.stats.gate_last["reason"]
+                self.gate_reasons[reason] = self.gate_reasons.get(reason, 0) + 1
             self.gate_last = self._batch.stats.gate_last
         if not self._batch.rows:  # idle: give the drafter back
             self._close_batch()

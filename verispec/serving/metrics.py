@@ -51,6 +51,12 @@ def _gate_metrics(metrics: Mapping) -> Iterator[Metric]:
     yield CounterMetricFamily("verispec_draft_gate_closed_steps",
                               "Steps in which the draft gate chose k = 0 for the whole batch although rows wanted to draft.",
                               value=metrics.get("draft_gate_closed_steps", 0))
+    steps = CounterMetricFamily("verispec_draft_gate_steps",
+                                "Steps the draft gate decided, by reason (pays, slower, measure, probe, unmeasured, "
+                                "ungated, rows).", labels=["reason"])
+    for name, count in sorted(metrics.get("draft_gate_steps", {}).items()):
+        steps.add_metric([name], count)
+    yield steps
     last = metrics.get("draft_gate")
     if not last:
         return
