@@ -99,7 +99,8 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
     return {
         "prompt": prompt, "text": text, "completion_tokens": tokens, "latency_s": end - start,
         "ttft_s": first - start, "tpot_s": (end - first) / (tokens - 1) if tokens > 1 else None,
-        "acceptance_rate": (telemetry or {}).get("acceptance_rate"),
+        "draft_tokens": (telemetry or {}).get("draft_tokens", 0),
+        "accepted_tokens": (telemetry or {}).get("accepted_tokens", 0),
         "tokens_per_target_pass": (telemetry or {}).get("tokens_per_target_pass"),
     }
 
@@ -116,12 +117,17 @@ async def run_level(url: str, prompts: list[str], clients: int, per_client: int,
 
 def summarise(clients: int, results: list[dict], wall: float) -> dict:
     tokens = sum(r["completion_tokens"] for r in results)
+    drafted = sum(r.get("draft_tokens", 0) for r in results)
+    accepted = sum(r.get("accepted_tokens", 0) for r in results)
     return {"clients": clients, "requests": len(results), "wall_s": wall, "completion_tokens": tokens,
             "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
             "latency_s": percentiles([r["latency_s"] for r in results]),
             "ttft_s": percentiles([r["ttft_s"] for r in results]),
             "tpot_s": percentiles([r["tpot_s"] for r in results if r["tpot_s"] is not None]),
-            "acceptance_rate": mean([r["acceptance_rate"] for r in results]),
+            # Pooled over drafted tokens: a mean of per-request rates would count requests that never drafted
+            # (the gate closed) as rate 0 and report 0.06 for drafts that were mostly kept.
+            "draft_tokens": drafted, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
             "tokens_per_target_pass": mean([r["tokens_per_target_pass"] for r in results]),
             "outputs": {r["prompt"]: r["text"] for r in results}, "requests_detail": results}
 
@@ -190,18 +196,21 @@ def markdown(results: dict) -> str:
         for mode in ("speculative", "target_alone"):
             r = level[mode]
             lat, ttft, tpot = r["latency_s"], r["ttft_s"], r["tpot_s"]
+            acceptance = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}"
             lines.append(
                 f"| {mode} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
                 f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
                 f"{tpot.get('p50', 0):.3f} / {tpot.get('p90', 0):.3f} | "
-                f"{(r['acceptance_rate'] or 0):.2f} | {(r['tokens_per_target_pass'] or 0):.2f} | "
+                f"{acceptance} | "
+                f"{(r['tokens_per_target_pass'] or 0):.2f} | "
                 f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} | "
                 f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('gate_steps', {}).items())) or '-'} |")
     lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**.",
               "", "Gate steps: the draft gate's decisions over each mode's repeats, by reason (`pays`: drafted as the "
               "cost model chose; `slower`: k = 0 for the whole batch; `measure`: one k = 0 step at a new batch size; "
               "`probe`: drafted while closed, to re-measure; `rows`: no row wanted to draft; `unmeasured`: before any "
-              "cost was timed). The target alone has no gate."]
+              "cost was timed). The target alone has no gate. Acceptance: drafts kept over drafts made, pooled over "
+              "the level's requests (`-`: nothing drafted)."]
     return "\n".join(lines) + "\n"
 
 

@@ -48,13 +48,14 @@ class CostCurve(dict[int, Ema]):
         """``(size, seconds)`` of every measured size, smallest first."""
         return sorted((s, ema.value) for s, ema in self.items() if ema.value is not None)
 
-    def at(self, size: int) -> float:
+    def at(self, size: int, known: list[tuple[int, float]] | None = None) -> float:
         """The measured value at ``size``, else interpolated linearly between the nearest measured sizes; above
         them, extrapolated from the largest along the secant to the value at half its size (or the smallest
         measured, if larger): a wide secant, since the slope between two neighbouring sizes is mostly noise and
         a flat one would price a pass of 384 tokens like one of 32. Never decreasing; flat if only one size is
-        measured; below the smallest, that one's value (the smallest of the larger ones')."""
-        known = self._known()
+        measured; below the smallest, that one's value (the smallest of the larger ones'). ``known``: this
+        curve's ``_known()``, when the caller prices many sizes at once."""
+        known = self._known() if known is None else known
         below = [(s, y) for s, y in known if s <= size]
         above = [(s, y) for s, y in known if s >= size]
         if below and above:
@@ -66,7 +67,7 @@ class CostCurve(dict[int, Ema]):
             if len(below) < 2:
                 return y1
             x0 = max(x1 / 2, below[0][0])
-            y0 = self.at(x0)  # within the measured range: interpolated
+            y0 = self.at(x0, known)  # within the measured range: interpolated
             return y1 + max((y1 - y0) / (x1 - x0), 0.0) * (size - x1)
         return min(y for _, y in above)
 
@@ -107,7 +108,8 @@ class CostTable:
 
     def target_costs(self, max_gamma: int, rows: int = 1) -> list[float]:
         """Seconds for the pass that scores g+1 tokens in each of ``rows`` rows, g = 0..max_gamma."""
-        return [self.target.at(rows * (g + 1)) for g in range(max_gamma + 1)]
+        known = self.target._known()  # sorted once: every row prices its lengths at every step
+        return [self.target.at(rows * (g + 1), known) for g in range(max_gamma + 1)]
 
     def draft_cost(self, rows: int = 1) -> float | None:
         """Seconds per draft token (one draft pass over the batch) at this batch size; None if never timed."""
