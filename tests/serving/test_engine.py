@@ -345,3 +345,30 @@ def test_groups_share_the_batch_fairly() -> None:
     assert events.index(("small", "finish")) < min(first_token[f"big{i}"] for i in range(2, 4))
     for name, request in requests.items():
         assert collectors[name].tokens == reference_greedy(target, request.prompt_ids, request.max_new_tokens)
+
+
+def test_a_request_arriving_during_a_prefill_joins_before_the_first_step() -> None:
+    """A burst: the second request arrives while the first one prefills. It joins right after that prefill, so
+    the first step runs both rows, instead of the first request stepping alone while the second waits."""
+    target, draft, _ = pair("qwen2")
+    engine = Engine(SpeculativeDecoder(target, draft, num_draft_tokens=3), max_batch_size=4)
+    second = Collector()
+    batch_sizes: list[int] = []  # rows in each target pass, in order
+
+    def record(module, args, kwargs) -> None:
+        input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        batch_sizes.append(input_ids.shape[0])
+        if len(batch_sizes) == 1:  # the first request's prefill, on the engine thread: the second arrives now
+            engine.submit(EngineRequest(prompt(6, 2), max_new_tokens=12), second)
+
+    handle = target.register_forward_pre_hook(record, with_kwargs=True)
+    first = submit(engine, EngineRequest(prompt(5, 1), max_new_tokens=12))
+    engine.start()
+    try:
+        assert first.done.wait(60) and second.done.wait(60)
+    finally:
+        engine.shutdown()
+        handle.remove()
+    assert batch_sizes[:3] == [1, 1, 2]  # prefill, the late arrival's prefill, then the first step with both
+    assert first.tokens == reference_greedy(target, prompt(5, 1), 12)
+    assert second.tokens == reference_greedy(target, prompt(6, 2), 12)

@@ -224,11 +224,12 @@ class Engine:
                 joining = self._joining_locked()
                 self.running += len(joining)  # counted as running from the moment they leave the queue
             finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
+            joining_rows = [pending.row for pending in joining]  # _turn appends the requests that join late
             try:
-                self._turn(cancelled, [pending.row for pending in joining], finished)
+                self._turn(cancelled, joining_rows, finished)
             except Exception as error:  # noqa: BLE001 - an internal failure ends the batch's requests, never the engine
                 traceback.print_exc()
-                self._fail_batch(f"{type(error).__name__}: {error}", [pending.row for pending in joining], finished)
+                self._fail_batch(f"{type(error).__name__}: {error}", joining_rows, finished)
             with self._cv:
                 for row in finished:
                     self._finish_locked(row)
@@ -236,7 +237,7 @@ class Engine:
         self._finish_everything()
 
     def _turn(self, cancelled: set[int], joining: list[Row], finished: list[Row]) -> None:
-        """Cancel, join, step. ``finished`` collects the rows that end, as they end, so that a failure later in
+        """Cancel, join (``joining``, then the requests that arrived meanwhile, appended to it), step. ``finished`` collects the rows that end, as they end, so that a failure later in
         the turn cannot lose them."""
         if self._batch is None:
             if not joining:  # nothing running and nothing to run
@@ -247,6 +248,15 @@ class Engine:
             finished += self._batch.cancel(cancelled)
         if joining:
             self._batch.add(joining)
+            # Requests that arrived while those prefilled join now instead of a step later: a burst's first request
+            # would otherwise step alone (drafting at batch size 1) while the rest of the burst waits for it. One
+            # extra round only, so that a stream of arrivals cannot hold the running rows back.
+            with self._cv:
+                late = self._joining_locked()
+                self.running += len(late)
+            joining += [pending.row for pending in late]  # in place: the caller fails them too if this turn fails
+            if late:
+                self._batch.add([pending.row for pending in late])
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
             closed, decided = self._batch.stats.gate_closed_steps, sum(self._batch.stats.gate_reasons.values())
