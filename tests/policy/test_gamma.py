@@ -18,6 +18,7 @@ from verispec.policy import (
     AcceptanceEstimate,
     AcceptancePool,
     CostModelGamma,
+    CostTable,
     DraftGate,
     FixedGamma,
     HeuristicGamma,
@@ -556,3 +557,19 @@ def test_decoder_with_early_stops_is_exact_and_seeded_sampling_reproducible(kind
     seen.clear()
     plain = decoder.generate(prompts, max_new_tokens=12, stop_drafting=False)
     assert seen and all(s is None for s in seen) and plain.tokens == [t[:12] for t in out.tokens]
+
+
+def test_target_costs_follow_every_new_measurement_of_the_shared_curve() -> None:
+    """target_costs is priced once per curve generation (every row asks at every step); a measurement added
+    through any table sharing the curve prices it anew, and callers may change the list they get."""
+    costs = CostTable()
+    costs.target.add(2, 0.2)
+    costs.target.add(8, 0.8)
+    first = costs.target_costs(3, rows=2)  # sizes 2, 4, 6, 8
+    assert first == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    first[0] = 99.0
+    assert costs.target_costs(3, rows=2)[0] == pytest.approx(0.2)
+    other = costs.for_drafter()
+    other.target.add(4, 0.3)  # the same machine curve, through another drafter's table
+    assert costs.target_costs(3, rows=2) == pytest.approx([0.2, 0.3, 0.55, 0.8])
+    assert costs.target_costs(1, rows=4) == pytest.approx([0.3, 0.8])

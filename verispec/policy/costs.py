@@ -38,11 +38,13 @@ class CostCurve(dict[int, Ema]):
     than any larger one measured."""
 
     first_cap = 1.5
+    generation = 0  # measurements added so far: what callers that cache prices key them by
 
     def add(self, size: int, seconds: float) -> None:
         if size not in self and len(self._known()) >= 2:  # one size alone predicts nothing (flat)
             seconds = min(seconds, self.first_cap * self.at(size))
         self.setdefault(size, Ema()).add(seconds)
+        self.generation += 1
 
     def _known(self) -> list[tuple[int, float]]:
         """``(size, seconds)`` of every measured size, smallest first."""
@@ -92,6 +94,8 @@ class CostTable:
     target: CostCurve = field(default_factory=CostCurve)
     draft: CostCurve = field(default_factory=CostCurve)
     catch_up: CostCurve = field(default_factory=CostCurve)
+    # target_costs' answers by (max_gamma, rows), with the target curve's generation they were priced at
+    _priced: dict[tuple[int, int], tuple[int, list[float]]] = field(default_factory=dict, repr=False, compare=False)
 
     def for_drafter(self) -> CostTable:
         """The table of another drafter on the same target: the same target curve, its own draft curves."""
@@ -107,9 +111,15 @@ class CostTable:
         return bool(self.target) and bool(self.draft)
 
     def target_costs(self, max_gamma: int, rows: int = 1) -> list[float]:
-        """Seconds for the pass that scores g+1 tokens in each of ``rows`` rows, g = 0..max_gamma."""
-        known = self.target._known()  # sorted once: every row prices its lengths at every step
-        return [self.target.at(rows * (g + 1), known) for g in range(max_gamma + 1)]
+        """Seconds for the pass that scores g+1 tokens in each of ``rows`` rows, g = 0..max_gamma (a fresh list;
+        priced once per curve generation: every row of a batch asks the same at every step)."""
+        key = (max_gamma, rows)
+        cached = self._priced.get(key)
+        if cached is None or cached[0] != self.target.generation:
+            known = self.target._known()
+            cached = self._priced[key] = (self.target.generation,
+                                          [self.target.at(rows * (g + 1), known) for g in range(max_gamma + 1)])
+        return list(cached[1])
 
     def draft_cost(self, rows: int = 1) -> float | None:
         """Seconds per draft token (one draft pass over the batch) at this batch size; None if never timed."""
