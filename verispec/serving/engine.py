@@ -211,6 +211,12 @@ class Engine:
             joining.append(pending)
         return joining
 
+    def _admit_locked(self) -> list[Row]:
+        """Take the waiting requests that join now; they count as running from the moment they leave the queue."""
+        joining = self._joining_locked()
+        self.running += len(joining)
+        return [pending.row for pending in joining]
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -221,10 +227,8 @@ class Engine:
                     break
                 cancelled, self._cancelled = self._cancelled, set()
                 dropped, self._dropped = self._dropped, []
-                joining = self._joining_locked()
-                self.running += len(joining)  # counted as running from the moment they leave the queue
+                joining_rows = self._admit_locked()
             finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
-            joining_rows = [pending.row for pending in joining]  # _turn appends the requests that join late
             try:
                 self._turn(cancelled, joining_rows, finished)
             except Exception as error:  # noqa: BLE001 - an internal failure ends the batch's requests, never the engine
@@ -237,8 +241,9 @@ class Engine:
         self._finish_everything()
 
     def _turn(self, cancelled: set[int], joining: list[Row], finished: list[Row]) -> None:
-        """Cancel, join (``joining``, then the requests that arrived meanwhile, appended to it), step. ``finished`` collects the rows that end, as they end, so that a failure later in
-        the turn cannot lose them."""
+        """Cancel, join (``joining``, then the requests that arrived meanwhile, appended to it), step.
+        ``finished`` collects the rows that end, as they end, so that a failure later in the turn cannot lose
+        them."""
         if self._batch is None:
             if not joining:  # nothing running and nothing to run
                 return
@@ -252,11 +257,10 @@ class Engine:
             # would otherwise step alone (drafting at batch size 1) while the rest of the burst waits for it. One
             # extra round only, so that a stream of arrivals cannot hold the running rows back.
             with self._cv:
-                late = self._joining_locked()
-                self.running += len(late)
-            joining += [pending.row for pending in late]  # in place: the caller fails them too if this turn fails
+                late = self._admit_locked()
+            joining += late  # in place: the caller fails them too if this turn fails
             if late:
-                self._batch.add([pending.row for pending in late])
+                self._batch.add(late)
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
             closed, decided = self._batch.stats.gate_closed_steps, sum(self._batch.stats.gate_reasons.values())
