@@ -92,6 +92,28 @@ def test_greedy_equals_the_target_alone_in_batches(target_vocab, draft_vocab, me
 
 
 @pytest.mark.parametrize("method", METHODS)
+def test_the_backlog_is_reported_to_the_gate_and_its_pass_timed(method):
+    """New rows and steps without drafts leave the draft cache behind: ``backlog`` says how far (one padded
+    pass, as wide as the row furthest behind) and the proposal that catches up reports its tokens and time."""
+    target_tok, draft_tok = tokenizer(BPE), tokenizer(CHARS)
+    drafter = method(build("llama", seed=4, vocab_size=CHARS), draft_tok, target_tok)
+    drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), BPE)
+    assert drafter.calls == 0 and drafter.backlog() == 2 * (4 - 1)
+    drafter.update([0, 0], [[9], [4]])  # a step without drafts: its tokens join the backlog
+    assert drafter.backlog() == 2 * (5 - 1)
+    proposal = drafter.propose(2, None)
+    caught_up, seconds = proposal.catch_up
+    assert caught_up > 0 and seconds > 0  # re-tokenised in draft tokens: the count is the draft's own
+    assert drafter.backlog() == 0
+    drafter.update([0, 0], [[8], [6]])  # one new token per row: fed by the step's own first pass
+    assert drafter.backlog() == 0
+    drafter.add_rows([[2, 2, 2]], [SamplingParams()])
+    assert drafter.backlog() == 3 * (3 - 1)
+    drafter.select_rows([2])
+    assert drafter.backlog() == 1 * (3 - 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_the_target_as_its_own_draft_is_mostly_accepted(method):
     """Same model, same tokenizer, through text: any slip in the text round trip or in the draft cache's
     bookkeeping (the prefix it keeps across steps) shows up as rejections."""

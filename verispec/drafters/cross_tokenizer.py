@@ -14,6 +14,7 @@ Acceptance is the only thing the tokenizers' mismatch can cost.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -48,12 +49,14 @@ class CrossTokenizerDrafter(Drafter):
         self.lm.reset(0)
         self.committed: list[list[int]] = []  # per row: the target tokens committed so far
         self.fed: list[list[int]] = []  # per row: the draft tokens in the draft's cache (its valid slots, in order)
+        self.synced: list[int] = []  # per row: how many committed tokens the draft's cache has seen
         self.add_rows(prompts, [])
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """New rows start with an empty draft cache: their prompt is fed at their first proposal."""
         self.committed += [list(p) for p in prompts]
         self.fed += [[] for _ in prompts]
+        self.synced += [0 for _ in prompts]
         empty = CachedLM(self.model, check=False)
         empty.reset(len(prompts))
         self.lm.append_rows(empty)
@@ -84,6 +87,30 @@ class CrossTokenizerDrafter(Drafter):
         self._compact()
         return to_feed
 
+    def backlog(self) -> int:
+        """All rows catch up in one padded pass, as wide as the row furthest behind. Counted in target tokens
+        (the draft's own count is known only after re-tokenising, which costs as much as the sync itself)."""
+        behind = [len(c) - s for c, s in zip(self.committed, self.synced)]
+        return len(behind) * max(max(behind, default=1) - 1, 0)  # one token per row is fed by every step anyway
+
+    def _feed_committed(self) -> tuple[torch.Tensor, tuple[int, float] | None]:
+        """Sync every row's draft cache with its committed text and feed what is new: the draft's logits
+        ``[B, V_d]`` after it, and the catch-up (tokens fed beyond one per row, seconds) when there was one."""
+        t0 = time.perf_counter()
+        ids, mask = left_pad(self._sync())  # [B, w]
+        first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
+        logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1]  # [B, V_d]
+        self.calls += 1
+        for row in range(len(self.committed)):
+            self.fed[row] += ids[row][mask[row]].tolist()
+        self.synced = [len(c) for c in self.committed]
+        caught_up = ids.numel() - ids.shape[0]
+        if not caught_up:
+            return logits, None
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        return logits, (caught_up, time.perf_counter() - t0)
+
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
         """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts``."""
         out = []
@@ -105,12 +132,8 @@ class CrossTokenizerDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k, rows = num_draft_tokens, len(self.committed)
-        ids, mask = left_pad(self._sync())  # [B, w]
-        first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
-        logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1, : self.draft_vocab]  # [B, V_d]
-        self.calls += 1
-        for row in range(rows):
-            self.fed[row] += ids[row][mask[row]].tolist()
+        logits, catch_up = self._feed_committed()
+        logits = logits[:, : self.draft_vocab]  # [B, V_d]
         contexts = [list(f) for f in self.fed]  # the committed text, in draft tokens
         drafted = [logits.argmax(dim=-1)]  # [B] each
         for _ in range(k + self.extra_draft_tokens - 1):
@@ -127,7 +150,7 @@ class CrossTokenizerDrafter(Drafter):
         lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long)  # [B]
         width = int(lengths.max()) if rows else 0
         target_ids = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long)  # [B, width]
-        return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths)
+        return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths, catch_up=catch_up)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for row, tokens in enumerate(new_tokens):
@@ -137,3 +160,4 @@ class CrossTokenizerDrafter(Drafter):
         self.lm.select_rows(rows)
         self.committed = [self.committed[r] for r in rows]
         self.fed = [self.fed[r] for r in rows]
+        self.synced = [self.synced[r] for r in rows]

@@ -24,7 +24,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
-from ..models.cache import left_pad, padded_positions
 from .base import Proposal, per_row
 from .cross_tokenizer import CrossTokenizerDrafter
 
@@ -105,12 +104,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k, rows = num_draft_tokens, len(self.committed)
-        ids, mask = left_pad(self._sync())  # [B, w]
-        first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
-        logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1]  # [B, V_d]
-        self.calls += 1
-        for row in range(rows):
-            self.fed[row] += ids[row][mask[row]].tolist()
+        logits, catch_up = self._feed_committed()  # [B, V_d]
         all_greedy = all(p.greedy for p in self.params)
         target_ids, target_probs = [], []
         choice = torch.zeros(rows, dtype=torch.long)  # [B] each row's last draft, as an index into the shared tokens
@@ -132,7 +126,8 @@ class IntersectionDrafter(CrossTokenizerDrafter):
                 target_probs.append(full.index_copy_(1, self.target_ids, probs.float()))
             target_ids.append(self.target_ids[choice])
         return Proposal(draft_ids=torch.stack(target_ids, dim=1),  # [B, k] target ids
-                        draft_probs=torch.stack(target_probs, dim=1) if target_probs else None)  # [B, k, V]
+                        draft_probs=torch.stack(target_probs, dim=1) if target_probs else None,  # [B, k, V]
+                        catch_up=catch_up)
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)
