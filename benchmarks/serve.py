@@ -1,7 +1,7 @@
 """Serving benchmark: ``verispec serve`` under 1, 4, 16 and 32 concurrent clients, speculative vs the target alone.
 
     python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 3] [--max-tokens 48] [--repeats 2]
-                               [--out benchmarks]
+                               [--out benchmarks] [--replot]
 
 One process loads the real pair once (target pre-packed, draft int4, as ``verispec serve`` does) and serves the
 same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
@@ -12,7 +12,7 @@ time). Each level runs ``--repeats`` times per mode in A B B A order (speculativ
 so that a drift in machine speed hits both alike; a mode's throughput is its tokens over its summed wall time,
 and each repeat's own throughput is reported as the spread.
 Greedy outputs must be identical between the two modes, whatever the batch: the script checks and reports it.
-Writes ``serve.json`` and ``SERVE.md``. Compare ratios, not absolute times: the machine is shared.
+Writes ``serve.json``, ``SERVE.md`` and ``serve.png`` (``--replot`` rewrites the last two from the first). Compare ratios, not absolute times: the machine is shared.
 """
 
 from __future__ import annotations
@@ -210,8 +210,40 @@ def markdown(results: dict) -> str:
               "cost model chose; `slower`: k = 0 for the whole batch; `measure`: one k = 0 step at a new batch size; "
               "`probe`: drafted while closed, to re-measure; `rows`: no row wanted to draft; `unmeasured`: before any "
               "cost was timed). The target alone has no gate. Acceptance: drafts kept over drafts made, pooled over "
-              "the level's requests (`-`: nothing drafted)."]
+              "the level's requests (`-`: nothing drafted).", "",
+              "![speculative / target alone by clients](serve.png)", "",
+              "The plot: the pooled ratio (line) and each repeat's pair, speculative over the target alone run beside "
+              "it (dots): the spread of the pairs is the noise of this shared machine."]
     return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    """Speculative / target-alone throughput by clients: pooled (line) and per repeat pair (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = results["levels"]
+    clients = [level["speculative"]["clients"] for level in levels]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(clients, [level["speculative"]["throughput_tok_s"] / level["target_alone"]["throughput_tok_s"]
+                      for level in levels], "o-", label="pooled over repeats")
+    for level in levels:
+        pairs = zip(level["speculative"]["throughput_by_repeat"], level["target_alone"]["throughput_by_repeat"])
+        ratios = [spec / alone for spec, alone in pairs]
+        ax.scatter([level["speculative"]["clients"]] * len(ratios), ratios, color="tab:orange", s=12, zorder=3)
+    ax.scatter([], [], color="tab:orange", s=12, label="one repeat's pair")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.axhline(0.97, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(clients, [str(c) for c in clients])
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("speculative / target alone (tokens/s)")
+    ax.set_title(f"verispec serve, {results['target']} + {results['draft']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=str(Path(__file__).parent))
+    parser.add_argument("--replot", action="store_true",
+                        help="rewrite SERVE.md and serve.png from the serve.json in --out, without measuring")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if args.replot:
+        results = json.loads((out / "serve.json").read_text())
+        (out / "SERVE.md").write_text(markdown(results))
+        plot(results, out / "serve.png")
+        return 0
 
     prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text())][: args.limit]  # every kind, as raw text
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
@@ -258,10 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"outputs differ at {clients} clients (a bug, or a near-tie of two logits: see PITFALLS #1)")
         results["levels"].append(level)
     results["identical_outputs"] = identical
-    out = Path(args.out)
     (out / "serve.json").write_text(json.dumps(results, indent=2))
     (out / "SERVE.md").write_text(markdown(results))
-    log(f"wrote {out / 'serve.json'} and {out / 'SERVE.md'}")
+    plot(results, out / "serve.png")
+    log(f"wrote {out / 'serve.json'}, {out / 'SERVE.md'} and {out / 'serve.png'}")
     print((out / "SERVE.md").read_text())
     return 0
 
