@@ -8,6 +8,7 @@ the output exact: the target decides.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,16 @@ class Proposal:
     # A drafter whose cache lags behind the committed tokens (rows that joined, steps without drafts) feeds
     # that backlog first: (tokens fed beyond one per row, seconds of those passes). None: nothing to feed.
     catch_up: tuple[int, float] | None = None
+
+
+def catch_up_since(tokens: int, start: float, device: torch.device) -> tuple[int, float] | None:
+    """A proposal's ``catch_up`` for a pass begun at ``start`` (``time.perf_counter()``) that fed ``tokens``
+    beyond one per row; None when it fed none."""
+    if not tokens:
+        return None
+    if device.type == "cuda":  # the time must cover the GPU's work, not just its launch
+        torch.cuda.synchronize(device)
+    return tokens, time.perf_counter() - start
 
 
 class Drafter(ABC):

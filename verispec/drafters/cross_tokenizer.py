@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, model_vocab_size, padded_positions
-from .base import Drafter, Proposal, common_prefix
+from .base import Drafter, Proposal, catch_up_since, common_prefix
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -104,12 +104,7 @@ class CrossTokenizerDrafter(Drafter):
         for row in range(len(self.committed)):
             self.fed[row] += ids[row][mask[row]].tolist()
         self.synced = [len(c) for c in self.committed]
-        caught_up = ids.numel() - ids.shape[0]
-        if not caught_up:
-            return logits, None
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)
-        return logits, (caught_up, time.perf_counter() - t0)
+        return logits, catch_up_since(ids.numel() - ids.shape[0], t0, logits.device)
 
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
         """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts``."""

@@ -11,7 +11,7 @@ from transformers import PreTrainedModel
 from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.cache import CachedLM, left_pad, padded_positions
-from .base import Drafter, Proposal, per_row
+from .base import Drafter, Proposal, catch_up_since, per_row
 
 
 class _BlockConfidence:
@@ -133,11 +133,7 @@ class ModelDrafter(Drafter):
         draft_ids, draft_probs = [], []
         logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
         caught_up += ids.numel() - ids.shape[0]
-        catch_up = None
-        if caught_up:  # the cache caught up with a backlog: its cost is priced apart from draft passes
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize(logits.device)
-            catch_up = (caught_up, time.perf_counter() - t0)
+        catch_up = catch_up_since(caught_up, t0, logits.device)  # priced apart from draft passes
         for j in range(k):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
