@@ -26,6 +26,8 @@ GREEDY_BELOW = 1e-5
 # OpenAI's bounds: penalties in [-2, 2]; a logit bias is clamped to [-100, 100] (as vLLM does).
 PENALTY_BOUND = 2.0
 LOGIT_BIAS_BOUND = 100.0
+# Integer settings become int64 tensors in the processors: larger values overflow there, inside a batch's step.
+MAX_INT = 2**63 - 1
 
 
 def _is_number(value: object) -> bool:
@@ -33,7 +35,7 @@ def _is_number(value: object) -> bool:
 
 
 def _token_id(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value <= MAX_INT
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
-        if self.top_k is not None and (
-            isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
-        ):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
+                                       or not 1 <= self.top_k <= MAX_INT):
+            raise ValueError(f"top_k must be an integer in [1, {MAX_INT}] or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         if self.min_p is not None and not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
@@ -80,8 +81,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0 (1 means none), got {self.repetition_penalty!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral)
+                or not 0 <= self.min_tokens <= MAX_INT):
+            raise ValueError(f"min_tokens must be an integer in [0, {MAX_INT}], got {self.min_tokens!r}")
         object.__setattr__(self, "logit_bias", _normalised_bias(self.logit_bias))
         stop_ids = tuple(self.stop_token_ids)
         if not all(_token_id(t) for t in stop_ids):

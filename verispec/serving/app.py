@@ -213,7 +213,7 @@ class Server:
             self._tokenizing = anyio.CapacityLimiter(1)
         try:
             params = await anyio.to_thread.run_sync(self.parse, body, limiter=self._tokenizing)
-            generation = Generation(self, params)
+            generation = Generation(self, params, request.scope.get(REQUEST_ID))
             generation.submit()
         except ApiError as error:
             self.metrics.count_http(endpoint, error.status)

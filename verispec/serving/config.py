@@ -55,18 +55,31 @@ class ServerOptions:
 def read_api_keys(keys: Sequence[str] = (), key_file: str | None = None,
                   environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """Every key given: ``keys`` (``--api-key``, repeatable), ``VERISPEC_API_KEY`` (one key, or several separated
-    by commas) and ``key_file`` (one key a line; blank lines and lines starting with ``#`` skipped)."""
-    found = [k.strip() for k in keys]
-    found += [k.strip() for k in environ.get(API_KEY_ENV, "").split(",")]
+    by commas) and ``key_file`` (one key a line; blank lines and lines starting with ``#`` skipped).
+
+    A key that is empty or blank, from any source, is a ``ValueError``: it would otherwise start a server
+    without authentication that its operator believes protected (``--api-key "$UNSET_VARIABLE"``)."""
+    found = []
+    for key in keys:
+        if not key.strip():
+            raise ValueError("--api-key is empty: give a key, or leave the option out for a server without one")
+        found.append(key.strip())
+    if API_KEY_ENV in environ:
+        given = environ[API_KEY_ENV].split(",")
+        if any(not key.strip() for key in given):
+            raise ValueError(f"{API_KEY_ENV} holds an empty key: set it to one key or several separated by commas, "
+                             "or unset it for a server without one")
+        found += [key.strip() for key in given]
     if key_file is not None:
         try:
             lines = Path(key_file).expanduser().read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as error:
             raise ValueError(f"cannot read the API key file: {error}") from error
-        found += [line.strip() for line in lines if not line.strip().startswith("#")]
-        if not any(line.strip() and not line.strip().startswith("#") for line in lines):
+        file_keys = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not file_keys:
             raise ValueError(f"the API key file {key_file} holds no key")
-    return tuple(dict.fromkeys(k for k in found if k))
+        found += file_keys
+    return tuple(dict.fromkeys(found))
 
 
 def is_loopback(host: str) -> bool:

@@ -18,6 +18,7 @@ than ``max_rows_per_group`` slots, so a request of 256 choices leaves room for a
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import traceback
@@ -26,14 +27,14 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
-from ..policy import FixedGamma
 from ..telemetry import GenerationStats
 
 _SHUTDOWN = "the engine shut down before the request finished"
+INTERNAL_ERROR = "internal error"  # what a row ended by an exception says; the traceback goes to the log only
+log = logging.getLogger("verispec.serving.engine")
 
 
 @dataclass
@@ -115,9 +116,6 @@ class Engine:
         self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
         self.accepted_per_position: list[int] = []
         self.running = 0
-        self.gate_closed_steps = 0  # steps the draft gate set to k = 0 (policy/gate.py), over every batch
-        self.gate_reasons: dict[str, int] = {}  # steps the gate decided, by reason, over every batch
-        self.gate_last: dict | None = None  # its last decision
 
     # --- public API --------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,12 +142,11 @@ class Engine:
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
                                  list(request.eos_token_ids), request.seed, logprobs=request.logprobs)
         key = next(self._keys)
-        draft = request.num_draft_tokens  # 0: this request's rows never draft (they share the batch with others)
-        policy = FixedGamma(0) if draft == 0 else self.decoder.policy_for(valid, num_draft_tokens=draft)
-        row = valid.rows(policy, [key])[0]
+        # num_draft_tokens 0: this request's rows never draft (they share the batch with others)
+        row = self.decoder.rows_for(valid, [key], num_draft_tokens=request.num_draft_tokens,
+                                    verification=request.verification)[0]
         row.on_tokens = lambda tokens: on_event(TokensEvent(
             list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):]))
-        row.verification = check_verification(request.verification or self.decoder.verification)
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
@@ -172,9 +169,9 @@ class Engine:
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
-                "draft_gate_closed_steps": self.gate_closed_steps,
-                "draft_gate_steps": dict(self.gate_reasons),
-                "draft_gate": self.gate_last,
+                # the speculation controller's decisions (the decoder's, for its own draft), by reason and by
+                # batch-size bucket: it lives as long as the decoder, across idle spells
+                "speculation": self.decoder.controller.snapshot(),
             }
 
     # --- the loop ---------------------------------------------------------------------------------------
@@ -229,11 +226,12 @@ class Engine:
                 dropped, self._dropped = self._dropped, []
                 joining_rows = self._admit_locked()
             finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
+            before: dict[int, tuple[int, Any]] = {}
             try:
+                before = self._snapshot(joining_rows)
                 self._turn(cancelled, joining_rows, finished)
-            except Exception as error:  # noqa: BLE001 - an internal failure ends the batch's requests, never the engine
-                traceback.print_exc()
-                self._fail_batch(f"{type(error).__name__}: {error}", joining_rows, finished)
+            except Exception as error:  # noqa: BLE001 - an internal failure ends the rows that cause it, never the engine
+                self._isolate(error, joining_rows, finished, before)
             with self._cv:
                 for row in finished:
                     self._finish_locked(row)
@@ -247,8 +245,7 @@ class Engine:
         if self._batch is None:
             if not joining:  # nothing running and nothing to run
                 return
-            self._batch = self.decoder.new_batch(self.decoder.drafter, self.decoder.gamma_policy,
-                                                 stats=GenerationStats())
+            self._batch = self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats())
         if cancelled:
             finished += self._batch.cancel(cancelled)
         if joining:
@@ -263,29 +260,99 @@ class Engine:
                 self._batch.add(late)
             finished += [row for row in joining if row.reason is not None]  # nothing to generate
         if self._batch.rows:
-            closed, decided = self._batch.stats.gate_closed_steps, sum(self._batch.stats.gate_reasons.values())
             finished += self._batch.step()
-            self.gate_closed_steps += self._batch.stats.gate_closed_steps - closed
-            if sum(self._batch.stats.gate_reasons.values()) > decided:  # the gate decided this step
-                reason = self._batch.stats.gate_last["reason"]
-                self.gate_reasons[reason] = self.gate_reasons.get(reason, 0) + 1
-            self.gate_last = self._batch.stats.gate_last
         if not self._batch.rows:  # idle: give the drafter back
             self._close_batch()
 
-    def _fail_batch(self, message: str, joining: list[Row], finished: list[Row]) -> None:
-        """After a failure in a turn: the rows it interrupted (still in the batch, or joining and not finished)
-        end with reason "error"; rows that had already ended keep their reason."""
-        in_batch = [] if self._batch is None else list(self._batch.rows)
-        interrupted = {id(row) for row in in_batch}
+    # --- fault isolation: one row's failure ends that row alone --------------------------------------------
+    def _snapshot(self, joining: list[Row]) -> dict[int, tuple[int, Any]]:
+        """Before a turn: each sampled row's output length and random state, by ``id(row)``, so that a row whose
+        step is redone after a failure draws the same uniforms again (a few microseconds per sampled row)."""
+        rows = (self._batch.rows if self._batch is not None else []) + joining
+        return {id(row): (len(row.output), row.generator.get_state()) for row in rows if row.generator is not None}
+
+    def _interrupted(self, joining: list[Row], finished: list[Row]) -> list[Row]:
+        """The rows a failed turn left unreported: those in the batch, then those joining, each once."""
+        in_batch = list(self._batch.rows) if self._batch is not None else []
         ended = {id(row) for row in finished}
-        for row in in_batch + [row for row in joining if id(row) not in interrupted]:
-            if id(row) in ended:
+        seen = ended | {id(row) for row in in_batch}
+        return [row for row in in_batch if id(row) not in ended] + [row for row in joining if id(row) not in seen]
+
+    def _isolate(self, error: Exception, joining: list[Row], finished: list[Row],
+                 before: dict[int, tuple[int, Any]]) -> None:
+        """After an exception in a turn: find the rows that cause it and end them alone (reason "error", error
+        ``INTERNAL_ERROR``; the traceback goes to the log with the row's key and group).
+
+        A failed step leaves the batch's caches in no known state, so the batch is closed. Every row it
+        interrupted then takes one step alone, in a batch of its own prefilled with its prompt and the tokens it
+        has committed (those its client has): a row whose solo step raises is the cause and ends; the others keep
+        their solo step's tokens and go on together in a new batch. A row's tokens stay those it would produce
+        alone (greedy: identical; seeded sampling: a row whose failed step committed nothing draws that step's
+        uniforms again). Every round commits at least one token per surviving row, so a failure that only a
+        combination of rows causes still comes to an end."""
+        log.error("an engine step failed (%s); stepping its rows alone to find the cause", type(error).__name__,
+                  exc_info=error)
+        rows = self._interrupted(joining, finished)
+        try:
+            self._close_batch()
+        except Exception:  # noqa: BLE001 - the rows below must still each be reported
+            log.exception("closing the failed batch failed")
+            self._batch = None
+        survivors = []
+        for row in rows:
+            if row.reason is not None:  # ended before the failure (e.g. nothing to generate)
+                finished.append(row)
                 continue
-            if id(row) in interrupted or row.reason is None:
-                row.fail(message)
-            finished.append(row)
-        self._close_batch()
+            saved = before.get(id(row))
+            if saved is not None and len(row.output) == saved[0]:
+                row.generator.set_state(saved[1])  # the failed step's uniforms are drawn again
+            try:
+                with self._resumed_batch([row]) as solo:
+                    finished += solo.step()
+            except Exception as own:  # noqa: BLE001 - this row causes the failure
+                log.error("engine row %d (group %s) ends with an internal error", row.key, self._group_of(row),
+                          exc_info=own)
+                row.fail(INTERNAL_ERROR)
+                finished.append(row)
+                continue
+            if row.reason is None:
+                survivors.append(row)
+        if survivors:
+            try:
+                self._batch = self._resumed_batch(survivors)
+            except Exception:  # noqa: BLE001 - each row stepped alone, but not together: none can go on
+                log.exception("the rows that stepped alone cannot join a new batch (groups %s)",
+                              sorted({str(self._group_of(row)) for row in survivors}))
+                for row in survivors:
+                    row.fail(INTERNAL_ERROR)
+                    finished.append(row)
+
+    def _group_of(self, row: Row) -> Hashable | None:
+        """The group of ``row``'s request, for log lines (the server's group names the HTTP request)."""
+        with self._cv:
+            pending = self._open.get(row.key)
+        return None if pending is None else pending.group
+
+    def _resumed_batch(self, rows: list[Row]) -> DecodeBatch:
+        """A new batch holding ``rows``, its caches prefilled with each row's prompt and committed output.
+
+        ``DecodeBatch.add`` prefills ``row.prompt``; for that call only, the prompt is every token the row has
+        (the processors read ``row.prompt`` and ``row.output`` apart at each step, so both are put back at once).
+        A model drafter then counts the output as prompt for its penalties, which changes how often drafts are
+        accepted, never the output."""
+        batch = self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats())
+        prompts = [row.prompt for row in rows]
+        try:
+            for row in rows:
+                row.prompt = row.prompt + row.output
+            batch.add(rows)
+        except BaseException:
+            batch.close()
+            raise
+        finally:
+            for row, prompt in zip(rows, prompts):
+                row.prompt = prompt
+        return batch
 
     def _close_batch(self) -> None:
         if self._batch is not None:

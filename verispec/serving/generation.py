@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.logprobs import TokenLogprob
 from .detokenize import TextState
-from .engine import EngineRequest, FinishEvent
+from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent
 from .errors import ApiError
 from .responses import (
     AssistantMessage,
@@ -86,11 +86,14 @@ class Generation:
     order, into this request's ``asyncio.Queue``, and ``run`` turns them into text on the event loop.
     """
 
-    def __init__(self, server: Server, params: Params) -> None:
+    def __init__(self, server: Server, params: Params, request_id: str | None = None) -> None:
         self.server, self.params = server, params
         self.created = int(time.time())
         self.started = time.perf_counter()
         self.id = ("chatcmpl-" if params.chat else "cmpl-") + uuid.uuid4().hex
+        self.request_id = request_id or uuid.uuid4().hex  # the X-Request-Id: in log lines and internal errors
+        # The engine's fairness group, which its log lines name: the HTTP request's id and the response's.
+        self.group = (self.request_id, self.id)
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.choices = [Choice(p * params.n + i, p) for p, _ in enumerate(params.prompts) for i in range(params.n)]
@@ -109,7 +112,7 @@ class Generation:
                 request = EngineRequest(
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
-                    eos_token_ids=self.server.eos_token_ids, group=self.id, sampling_options=p.sampling_options,
+                    eos_token_ids=self.server.eos_token_ids, group=self.group, sampling_options=p.sampling_options,
                     logprobs=p.logprobs, num_draft_tokens=p.num_draft_tokens, verification=p.verification,
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
@@ -119,7 +122,7 @@ class Generation:
                 admission.finished(p.max_tokens)
             self.cancel(count=False)
             if isinstance(error, ValueError):
-                raise ApiError(str(error)) from error
+                raise ApiError(str(error), _param_of(str(error), p.chat), "invalid_value") from error
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
         for choice in self.choices:
             choice.state = TextState(self.server.tokenizer, p.prompts[choice.prompt_index], p.stops)
@@ -193,7 +196,9 @@ class Generation:
             choice.finish_reason = event.reason
         else:  # cancelled by someone other than this request (e.g. the engine shutting down)
             choice.finish_reason = "error"
-        if event.reason == "error" or choice.finish_reason == "error":
+        if event.error == INTERNAL_ERROR:  # the log line with the traceback names this request id
+            choice.error = f"internal error (request id {self.request_id})"
+        elif event.reason == "error" or choice.finish_reason == "error":
             choice.error = event.error or f"the engine ended the request ({event.reason})"
         now = time.perf_counter()
         metrics = self.server.metrics
@@ -296,6 +301,22 @@ class Generation:
         else:
             entry = CompletionChoice(index=choice.index, text=text or "", logprobs=self._logprobs(choice), **end)
         return kind(**common, choices=[entry])
+
+
+# The request field a library ``ValueError`` is about, read off the first word of its message.
+_FIELDS = {"prompt": "prompt", "max_new_tokens": "max_tokens", "logit_bias": "logit_bias", "stop_token_ids":
+           "stop_token_ids", "min_tokens": "min_tokens", "temperature": "temperature", "top_k": "top_k", "top_p":
+           "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty", "frequency_penalty":
+           "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed", "logprobs": "logprobs",
+           "eos_token_id": None}
+
+
+def _param_of(message: str, chat: bool) -> str | None:
+    """The request field that ``message`` (a ``ValueError`` of ``validate_request`` or ``SamplingParams``) is
+    about: every such message starts with the setting's name."""
+    first = message.split(" ", 1)[0].strip(":(")
+    param = _FIELDS.get(first)
+    return "messages" if param == "prompt" and chat else param
 
 
 def _target_passes(stats: dict) -> float:

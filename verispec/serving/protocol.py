@@ -35,6 +35,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_DRAFT_TOKENS = 64
 MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
+MAX_INT = 2**63 - 1  # every integer setting becomes an int64 in the engine's tensors
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 # Raised inside a field (a string in a list, a message's content): reported as it is, never as a type error.
@@ -206,11 +209,12 @@ class SamplingRequest(BaseModel):
     model: str | None = Field(None, description="Must be the served model's id if given.")
     n: int = Field(1, ge=1, le=MAX_CHOICES,
                    description="Choices per prompt; prompts x n is capped by the server (--max-choices).")
-    max_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(
         None, description="Default: 16 for completions, the rest of the context for chat.")
-    temperature: float = Field(1.0, ge=0, description="1.0 (sampling) by default, as in OpenAI's API; 0 is greedy.")
+    temperature: float = Field(1.0, ge=0, le=MAX_TEMPERATURE,
+                               description="In [0, 2]; 1.0 (sampling) by default, as in OpenAI's API; 0 is greedy.")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = Field(None, description="Extension: -1 or absent: no limit.")
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = Field(None, description="Extension: -1 or absent: no limit.")
     seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = Field(
         None, description="Reproducible sampling; choice i of a request gets seed + i.")
     stop: Stop | None = Field(None, description=f"Up to {MAX_STOP_STRINGS} strings; the text ends before the first.")
@@ -239,7 +243,7 @@ class SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = Field(
         None, description=f"Token id (as a string) -> bias added to its logit, clamped to [-100, 100]; at most "
         f"{MAX_LOGIT_BIAS} entries.")
-    min_tokens: Annotated[int, Field(ge=0)] | None = Field(
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] | None = Field(
         None, description="Extension: EOS and stop_token_ids cannot end the output before this many tokens.")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="Extension: token ids that end the output as EOS does (finish_reason 'stop').")
@@ -364,7 +368,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: the messages go through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(None, description="Overrides max_tokens.")
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(None, description="Overrides max_tokens.")
 
     @field_validator("logprobs")
     @classmethod
