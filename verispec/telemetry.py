@@ -25,7 +25,7 @@ class GenerationStats:
     position_proposed: list[int] = field(default_factory=list)  # [j] = drafts proposed at block position j
     position_accepted: list[int] = field(default_factory=list)  # [j] = drafts kept at block position j
     position_judged: list[int] = field(default_factory=list)  # [j] = drafts at j whose predecessors were all kept
-    gamma_history: list[int] = field(default_factory=list)  # draft length used at each step
+    draft_length_steps: list[int] = field(default_factory=list)  # [k] = steps that drafted k columns
     row_draft_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts proposed
     row_accepted_tokens: list[int] = field(default_factory=list)  # per prompt row: drafts kept
     row_target_passes: list[int] = field(default_factory=list)  # per prompt row: target passes it took part in
@@ -34,12 +34,10 @@ class GenerationStats:
     target_time_s: float = 0.0
     verify_time_s: float = 0.0
     total_time_s: float = 0.0
-    # The batch's draft gate (verispec.policy.gate): steps it set to k = 0 although rows wanted to draft, how
-    # many steps each reason decided, and the last decision (expected tokens/s drafting and alone, the
-    # drafting rows' mean acceptance estimate).
-    gate_closed_steps: int = 0
-    gate_reasons: dict[str, int] = field(default_factory=dict)
-    gate_last: dict | None = None
+    # The speculation controller (verispec.policy.controller): steps it decided by reason, and its last
+    # decision (cap, reason, expected tokens per second at the cap and with the target alone).
+    controller_steps: dict[str, int] = field(default_factory=dict)
+    controller_last: dict | None = None
 
     def start_rows(self, batch_size: int) -> None:
         self.row_draft_tokens = [0] * batch_size
@@ -51,7 +49,8 @@ class GenerationStats:
         self.steps += 1
         self.row_steps += len(num_accepted)
         self.mixed_steps += len(set(num_accepted)) > 1
-        self.gamma_history.append(gamma)
+        _grow(self.draft_length_steps, gamma + 1)
+        self.draft_length_steps[gamma] += 1
         _grow(self.accepted_length_histogram, gamma + 1)
         _grow(self.position_proposed, gamma)
         _grow(self.position_accepted, gamma)
@@ -71,11 +70,15 @@ class GenerationStats:
             for j in range(min(accepted + 1, length)):
                 self.position_judged[j] += 1
 
-    def record_gate(self, decision: dict, closed_steps: int) -> None:
-        """The draft gate's decision for this step (``GateDecision.to_dict()``) and its closed-step count."""
-        self.gate_last = decision
-        self.gate_reasons[decision["reason"]] = self.gate_reasons.get(decision["reason"], 0) + 1
-        self.gate_closed_steps = closed_steps
+    def record_decision(self, decision: dict) -> None:
+        """The controller's decision for this step (``CapDecision.to_dict()``)."""
+        self.controller_last = decision
+        self.controller_steps[decision["reason"]] = self.controller_steps.get(decision["reason"], 0) + 1
+
+    @property
+    def mean_draft_length(self) -> float:
+        """Draft columns per step, averaged over steps."""
+        return sum(k * n for k, n in enumerate(self.draft_length_steps)) / self.steps if self.steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -124,6 +127,7 @@ class GenerationStats:
             mean_accepted_length=self.mean_accepted_length,
             tokens_per_row_step=self.tokens_per_row_step,
             tokens_per_second=self.tokens_per_second,
+            mean_draft_length=self.mean_draft_length,
         )
         return out
 

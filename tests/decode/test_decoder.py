@@ -26,7 +26,7 @@ def decoder() -> SpeculativeDecoder:
         (dict(temperature=1.0, top_p=1.5), "top_p"),
         (dict(temperature=1.0, top_k=0), "top_k"),
         (dict(temperature=1.0, top_k=2.5), "top_k"),
-        (dict(num_draft_tokens=0), "num_draft_tokens"),
+        (dict(num_draft_tokens=-1), "num_draft_tokens"),
         (dict(max_new_tokens=-1), "max_new_tokens"),
         (dict(eos_token_id=10_000), "eos_token_id"),
         (dict(seed="x", temperature=1.0), "seed"),
@@ -63,7 +63,7 @@ def test_bad_prompts(decoder, input_ids, message) -> None:
 def test_bad_models() -> None:
     target = pair("llama")[0]
     with pytest.raises(ValueError, match="num_draft_tokens"):
-        SpeculativeDecoder(target, pair("llama")[1], num_draft_tokens=0)
+        SpeculativeDecoder(target, pair("llama")[1], num_draft_tokens=-1)
     with pytest.raises(ValueError, match=r"target has 512 logits, draft has 300"):
         SpeculativeDecoder(target, build("llama", vocab_size=300))
     with pytest.raises(ValueError, match="device"):

@@ -92,19 +92,21 @@ def test_greedy_equals_the_target_alone_in_batches(target_vocab, draft_vocab, me
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_the_backlog_is_reported_to_the_gate_and_its_pass_timed(method):
+def test_the_backlog_is_reported_and_fed_by_the_catch_up(method):
     """New rows and steps without drafts leave the draft cache behind: ``backlog`` says how far (one padded
-    pass, as wide as the row furthest behind) and the proposal that catches up reports its tokens and time."""
+    pass, as wide as the row furthest behind), ``catch_up`` feeds it (the phase the batch times apart) and the
+    proposal after it starts from the catch-up's logits, with no pass of its own for them."""
     target_tok, draft_tok = tokenizer(BPE), tokenizer(CHARS)
     drafter = method(build("llama", seed=4, vocab_size=CHARS), draft_tok, target_tok)
     drafter.start([[1, 5, 2, 7], [3, 3]], SamplingParams(), BPE)
     assert drafter.calls == 0 and drafter.backlog() == 2 * (4 - 1)
     drafter.update([0, 0], [[9], [4]])  # a step without drafts: its tokens join the backlog
     assert drafter.backlog() == 2 * (5 - 1)
+    caught_up = drafter.catch_up()
+    assert caught_up > 0 and drafter.calls == 1  # re-tokenised in draft tokens: the count is the draft's own
+    assert drafter.backlog() == 0 and drafter.catch_up() == 0
     proposal = drafter.propose(2, None)
-    caught_up, seconds = proposal.catch_up
-    assert caught_up > 0 and seconds > 0  # re-tokenised in draft tokens: the count is the draft's own
-    assert drafter.backlog() == 0
+    assert proposal.draft_ids.shape[0] == 2
     drafter.update([0, 0], [[8], [6]])  # one new token per row: fed by the step's own first pass
     assert drafter.backlog() == 0
     drafter.add_rows([[2, 2, 2]], [SamplingParams()])

@@ -27,7 +27,7 @@ from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal
 from ..models.cache import CachedLM, left_pad, padded_positions
-from ..policy import CostTable, DraftGate, GammaPolicy, StepRecord
+from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
 from ..telemetry import GenerationStats
 
 
@@ -46,7 +46,9 @@ class Row:
     max_new_tokens: int
     eos_ids: frozenset[int]
     generator: torch.Generator | None  # None for greedy rows
-    policy: GammaPolicy  # this row's draft-length policy
+    policy: GammaPolicy  # the most drafts this row may make per step
+    estimate: AcceptanceEstimate | None = None  # its request's acceptance (what the controller weighs)
+    pinned: bool = False  # drafts its policy's length whatever the controller's cap (timing-free tokens)
     on_tokens: Callable[[list[int]], None] | None = None
     verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
     logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
@@ -86,12 +88,13 @@ class DecodeBatch:
     """
 
     def __init__(self, target_model: PreTrainedModel, drafter: Drafter | None, *, vocab_size: int,
-                 costs: CostTable | None = None, stats: GenerationStats | None = None, stop_drafting: bool = False,
-                 model_lock: AbstractContextManager | None = None, on_close: Callable[[], None] | None = None) -> None:
+                 controller: SpeculationController | None = None, stats: GenerationStats | None = None,
+                 stop_drafting: bool = False, model_lock: AbstractContextManager | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.target = CachedLM(target_model, check=False)
         self.target.reset(0)
-        self.drafter, self.costs, self.stop_drafting = drafter, costs, stop_drafting
-        self.gate = DraftGate(costs) if costs is not None and drafter is not None else None  # k = 0 for all?
+        self.drafter, self.stop_drafting = drafter, stop_drafting
+        self.controller = controller if drafter is not None else None  # the cap on every step's draft length
         self.device = self.target.device
         self.vocab_size = vocab_size
         self.stats = stats if stats is not None else GenerationStats()
@@ -205,28 +208,39 @@ class DecodeBatch:
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
         return result, (~finite & used).any(dim=-1), target_logits
 
+    def _draft_lengths(self) -> tuple[list[int], list[float] | None]:
+        """Each row's draft length this step (its policy's, capped by the controller) and, with early stops on,
+        each row's threshold (``Drafter.propose``'s ``stop_below``)."""
+        if self.drafter is None:
+            return [0] * len(self.rows), None
+        # A row never drafts past its remaining budget (the last token is always the target's own).
+        limits = [row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in self.rows]
+        if self.controller is None or not any(limits):
+            return limits, None
+        # A row without an estimate (built by hand, not by ``rows_for``) cannot be weighed: it drafts its length.
+        plans = [RowPlan(limit, row.estimate or self.controller.new_estimate(), row.pinned or row.estimate is None,
+                         row.max_new_tokens - len(row.output)) for row, limit in zip(self.rows, limits)]
+        lengths, decision = self.controller.decide(plans, self.drafter.backlog())
+        self.stats.record_decision(decision.to_dict())
+        if not self.stop_drafting or not decision.cap:
+            return lengths, None
+        threshold = self.controller.stop_threshold(len(self.rows), decision.cap, decision.tokens or 1.0)
+        return lengths, [0.0 if plan.pinned else threshold for plan in plans]
+
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
         step_start = time.perf_counter()
-        batch_rows = len(self.rows)
-        # Each row picks its own draft length, capped so it never drafts past its remaining budget.
-        row_gammas = [
-            row.policy.choose(row.max_new_tokens - len(row.output) - 1, batch_rows) if self.drafter is not None else 0
-            for row in self.rows
-        ]
-        if self.gate is not None:  # how long, if at all, drafting pays at this batch size (policy/gate.py)
-            curves = [row.policy.expected_tokens_upto(g) for row, g in zip(self.rows, row_gammas)]
-            row_gammas = self.gate.decide(row_gammas, curves,
-                                          [row.policy.acceptance() for row in self.rows], backlog=self.drafter.backlog(),
-                                          remaining=[row.max_new_tokens - len(row.output) for row in self.rows])
-            self.stats.record_gate(self.gate.last.to_dict(), self.gate.closed_steps)
+        rows = list(self.rows)
+        row_gammas, stop_below = self._draft_lengths()
         gamma = max(row_gammas)
-        stop_below = None
-        if self.stop_drafting and self.drafter is not None:
-            stop_below = [row.policy.stop_threshold(g, batch_rows) for row, g in zip(self.rows, row_gammas)]
-        uniforms = draw_uniforms([row.generator for row in self.rows], row_gammas, gamma, self.device)
+        uniforms = draw_uniforms([row.generator for row in rows], row_gammas, gamma, self.device)
         draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
+        catch_up = None  # (tokens, seconds) of the drafter's backlog pass
+        wait_start = time.perf_counter()
         with self._model_lock:
+            waited = time.perf_counter() - wait_start  # another batch's pass: not this step's latency
+            if gamma > 0:
+                catch_up = self._catch_up()
             proposal = self._propose(gamma, uniforms, stop_below)
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
@@ -243,15 +257,26 @@ class DecodeBatch:
         new_tokens = [h[3 : 3 + h[0] + 1] for h in host]  # per row: accepted drafts, then recovered / bonus
         logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
         self.stats.verify_time_s += time.perf_counter() - t0
-        record = StepRecord(k, [h[1] for h in host], [h[0] for h in host], self.stats.draft_time_s - draft_time,
-                            self.stats.target_time_s - target_time, proposal.catch_up)
-        if self.costs is not None:  # machine costs: learnt once per step, from the whole batch
-            self.costs.observe(record)
-        finished = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
-        if self.gate is not None:  # the backlog's pass is paid once and priced apart: not part of the step's rate
-            seconds = time.perf_counter() - step_start - (proposal.catch_up[1] if proposal.catch_up else 0.0)
-            self.gate.observe(batch_rows, k > 0, sum(len(t) for t in new_tokens), seconds)
+        record = StepRecord(k, [h[1] for h in host], [h[0] for h in host])
+        finished, callbacks = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
+        if self.controller is not None:  # whole steps as they ran, less what was not this step's work
+            seconds = time.perf_counter() - step_start - waited - callbacks - (catch_up[1] if catch_up else 0.0)
+            self.controller.observe_step(len(rows), k, seconds, catch_up)
+            self.controller.observe_rows([(row.estimate, n, kept) for row, n, kept in
+                                          zip(rows, record.row_draft_lengths, record.row_accepted)
+                                          if n and row.estimate is not None])
         return finished
+
+    def _catch_up(self) -> tuple[int, float] | None:
+        """The drafter's backlog pass, timed apart: it is paid once, not per draft."""
+        t0 = time.perf_counter()
+        calls = self.drafter.calls
+        fed = self.drafter.catch_up()
+        sync(self.device)
+        seconds = time.perf_counter() - t0
+        self.stats.draft_calls += self.drafter.calls - calls
+        self.stats.draft_time_s += seconds
+        return (fed, seconds) if fed else None
 
     def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,
                   new_tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
@@ -270,18 +295,24 @@ class DecodeBatch:
         ]
 
     def _commit(self, record: StepRecord, target_bad: list[int], new_tokens: list[list[int]],
-                logprobs: list[list[TokenLogprob] | None]) -> list[Row]:
+                logprobs: list[list[TokenLogprob] | None]) -> tuple[list[Row], float]:
+        """Commit the step's tokens and roll back; returns the rows that finished and the seconds spent in the
+        rows' callbacks (the caller's code, not the step's)."""
         self.stats.record_step(record.draft_length, [row.key for row in self.rows], record.row_draft_lengths,
                                record.row_accepted)
         now = time.perf_counter()
+        callbacks = 0.0
         for b, (row, bad, tokens, entries) in enumerate(zip(self.rows, target_bad, new_tokens, logprobs)):
-            row.policy.observe(record.row(b))  # acceptance: each row learns from its own block only
+            row.policy.observe(record.row(b))  # a schedule learns from its own row's block only
             row.count_step(record.row_draft_lengths[b], record.row_accepted[b])
             if bad:
                 row.error_step = self.stats.steps
                 row.fail(f"the target produced NaN or infinite logits at decode step {row.error_step}")
                 continue
+            t0 = time.perf_counter()
             self._emit(row, tokens, now, entries)
+            if row.on_tokens is not None:
+                callbacks += time.perf_counter() - t0
 
         # Roll back: each row keeps its last committed token's slot plus its accepted drafts' slots.
         self.target.rollback([n + 1 for n in record.row_accepted], record.draft_length + 1)
@@ -289,7 +320,7 @@ class DecodeBatch:
             self.drafter.update(record.row_accepted, new_tokens)
         self.last_ids = torch.tensor([t[-1] for t in new_tokens], device=self.device)
         self.lengths = self.lengths + torch.tensor([n + 1 for n in record.row_accepted], device=self.device)
-        return self._drop_finished()
+        return self._drop_finished(), callbacks
 
     @staticmethod
     def _emit(row: Row, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> None:

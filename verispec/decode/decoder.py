@@ -31,9 +31,9 @@ from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
 from ..models.cache import CachedLM, model_device, model_vocab_size
 from ..models.capability import position_limit
-from ..policy import CostModelGamma, FixedGamma, GammaPolicy, HeuristicGamma, make_gamma_policy
+from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..telemetry import GenerationStats
-from .batch import DecodeBatch, sync
+from .batch import DecodeBatch, Row, sync
 from .requests import ModelLimits, Request, validate_request
 
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
@@ -146,10 +146,11 @@ class SpeculativeDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches
         self._leases = _DrafterLeases()
-        self._auto_policy = self.gamma_policy if isinstance(self.gamma_policy, CostModelGamma) else CostModelGamma()
-        # Drafts passed per call get their own cost model (their cost and acceptance are not the default
-        # draft's), sharing the target's measured costs; keyed weakly so a dropped draft frees its entry.
-        self._drafter_policies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # One speculation controller per drafter, living as long as the decoder: the engine's batches and
+        # every generate call with that drafter feed and read it. Drafts passed per call get their own (their
+        # cost and acceptance are not the default draft's), keyed weakly so a dropped draft frees its entry.
+        self.controller = SpeculationController()
+        self._controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def vocab_size(self) -> int:
@@ -177,43 +178,55 @@ class SpeculativeDecoder:
         input_limit = min(input_limit, draft_model.get_input_embeddings().weight.shape[0])
         return ModelLimits(vocab, input_limit, positions, reason)
 
-    def _auto_for(self, draft: object) -> CostModelGamma:
-        """The cost model for ``draft`` (a call's ``draft`` argument): the decoder's own for its own draft."""
+    def controller_for(self, draft: object = _USE_DECODER_DRAFT) -> SpeculationController:
+        """The speculation controller of ``draft`` (a call's ``draft`` argument; the decoder's own by default)."""
         own = (_USE_DECODER_DRAFT, None, self.drafter, getattr(self.drafter, "model", None))  # its draft model too
         if any(draft is d for d in own):
-            return self._auto_policy
-        policy = self._drafter_policies.get(draft)
-        if policy is None:
-            policy = self._drafter_policies[draft] = self._auto_policy.for_drafter()
-        return policy
+            return self.controller
+        controller = self._controllers.get(draft)
+        if controller is None:
+            controller = self._controllers[draft] = SpeculationController()
+        return controller
 
-    def policy_for(self, request: Request, draft: object = _USE_DECODER_DRAFT,
-                   num_draft_tokens: int | str | GammaPolicy | None = None) -> GammaPolicy:
-        """The draft-length policy a request's rows start from (each row takes ``for_row()`` of it): the
-        call's ``num_draft_tokens``, else the decoder's; "auto" keeps one cost model per drafter, so costs
-        measured by earlier calls stay valid. A seeded sampled request never reads timings: with rejection
-        sampling its tokens depend on where blocks end, and a seed must reproduce tokens, so a policy that
-        reads costs gives way to the timing-free heuristic schedule."""
-        policy = self.gamma_policy if num_draft_tokens is None else make_gamma_policy(num_draft_tokens)
-        if num_draft_tokens == "auto" or (num_draft_tokens is None and policy is self._auto_policy):
-            policy = self._auto_for(draft)
-        if policy.costs is not None and request.seeded and not request.sampling.greedy:
-            return HeuristicGamma()
-        return policy
+    def rows_for(self, request: Request, keys: Sequence[int], *, draft: object = _USE_DECODER_DRAFT,
+                 num_draft_tokens: int | str | GammaPolicy | None = None,
+                 on_tokens: Sequence[Callable[[list[int]], None] | None] | None = None,
+                 verification: str | None = None) -> list[Row]:
+        """The batch rows of a validated request, one per prompt (keys: the caller's index of each), with their
+        draft lengths: the call's ``num_draft_tokens`` (a maximum, capped by the speculation controller), else
+        the decoder's (exactly that length when the decoder was built with a fixed one or "heuristic", a
+        maximum with "auto"). A seeded sampled request is pinned: with rejection sampling its tokens depend on
+        where blocks end and a seed must reproduce them, so its lengths never depend on timings (its own fixed
+        length, or the timing-free heuristic schedule in place of "auto")."""
+        explicit = num_draft_tokens is not None
+        policy = make_gamma_policy(num_draft_tokens) if explicit else self.gamma_policy
+        pinned = not explicit and not isinstance(policy, AutoGamma)
+        if request.seeded and not request.sampling.greedy:
+            pinned = True
+            if isinstance(policy, AutoGamma):
+                policy = HeuristicGamma()
+        rows = request.rows(policy, keys, on_tokens)
+        controller = self.controller_for(draft)
+        for row in rows:
+            row.estimate, row.pinned = controller.new_estimate(), pinned
+            row.verification = check_verification(self.verification if verification is None else verification)
+        return rows
 
-    def new_batch(self, drafter: Drafter | None, policy: GammaPolicy, *, limits: ModelLimits | None = None,
-                  stats: GenerationStats | None = None, stop_drafting: bool | None = None) -> DecodeBatch:
+    def new_batch(self, drafter: Drafter | None, controller: SpeculationController | None = None, *,
+                  limits: ModelLimits | None = None, stats: GenerationStats | None = None,
+                  stop_drafting: bool | None = None) -> DecodeBatch:
         """A batch with caches of its own, drafting with ``drafter`` (or a fork of it, when another running
-        batch holds it) and measuring ``policy``'s costs. Close it (or use it as a context manager) to give
-        the drafter back."""
+        batch holds it) under ``controller`` (the decoder's own by default). Close it (or use it as a context
+        manager) to give the drafter back."""
         # Under the lock: new caches are sized from the model's config, which an early-exit draft of another
         # batch lowers while it drafts (and a fork of one builds its cache that way).
         with self.model_lock:
             if drafter is not None:
                 drafter = self._leases.acquire(drafter)
             return DecodeBatch(
-                self.target_model, drafter, vocab_size=(limits or self.limits).vocab_size, costs=policy.costs,
-                stats=stats if stats is not None else GenerationStats(num_draft_tokens=policy.name),
+                self.target_model, drafter, vocab_size=(limits or self.limits).vocab_size,
+                controller=controller if controller is not None else self.controller,
+                stats=stats if stats is not None else GenerationStats(num_draft_tokens=self.gamma_policy.name),
                 stop_drafting=self.stop_drafting if stop_drafting is None else stop_drafting,
                 model_lock=self.model_lock,
                 on_close=None if drafter is None else functools.partial(self._leases.release, drafter),
@@ -263,11 +276,13 @@ class SpeculativeDecoder:
         baseline); another model or ``Drafter`` overrides the decoder's draft for this call.
         ``on_tokens(row, tokens)`` is called with each row's newly committed tokens as they are accepted; if
         it raises, generation stops and the exception propagates.
-        ``seed`` makes sampling reproducible (same seed, same tokens; with ``num_draft_tokens="auto"`` a
-        seeded sampling call uses the timing-free "heuristic" schedule, since timings are not reproducible);
-        the global RNG is never used. ``stop_drafting`` (per call, else the decoder's setting, on by
-        default): with ``num_draft_tokens="auto"`` and a model draft, stop a row's block early once the draft's
-        own probability of it falls below the cost model's threshold (see ``CostModelGamma.stop_threshold``).
+        ``num_draft_tokens`` (per call): the most drafts per step, which the speculation controller caps at the
+        step's best cap (``policy/controller.py``; 0 never drafts, like ``draft=None``); the decoder's own
+        setting applies exactly when it is a fixed length. ``seed`` makes sampling reproducible (same seed, same
+        tokens: a seeded sampling call's draft lengths never depend on timings, "auto" giving way to the
+        timing-free "heuristic" schedule); the global RNG is never used. ``stop_drafting`` (per call, else the
+        decoder's setting, on by default): with a model draft, stop a row's block early once the draft's own
+        probability of it falls below the controller's threshold (``SpeculationController.stop_threshold``).
         Bad arguments raise ``ValueError`` before any model work (``validate_request``).
         ``verification`` (per call, else the decoder's; "token" by default): "token" (Leviathan et al.) or
         "block" (Sun et al. 2024: the draft block judged jointly, never fewer tokens kept in expectation); both
@@ -287,18 +302,17 @@ class SpeculativeDecoder:
             temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
             logit_bias or (), min_tokens, tuple(stop_token_ids), grammar), max_new_tokens,
                                    eos_token_id, seed, attention_mask, logprobs)
-        policy = self.policy_for(request, draft, num_draft_tokens)  # checked even when the target runs alone
-        if drafter is None:
-            policy = FixedGamma(0)
-        policy.reset()
-        stats = GenerationStats(num_draft_tokens=policy.name)
-        stats.start_rows(len(request.prompts))
+        if num_draft_tokens is not None:  # checked even when the target runs alone
+            make_gamma_policy(num_draft_tokens)
         callbacks = None if on_tokens is None else [functools.partial(on_tokens, b) for b in range(len(request.prompts))]
-        rows = request.rows(policy, range(len(request.prompts)), callbacks)
-        for row in rows:
-            row.verification = verification
+        rows = self.rows_for(request, range(len(request.prompts)), draft=draft,
+                             num_draft_tokens=0 if drafter is None else num_draft_tokens, on_tokens=callbacks,
+                             verification=verification)
+        stats = GenerationStats(num_draft_tokens=rows[0].policy.name)
+        stats.start_rows(len(request.prompts))
         start = time.perf_counter()
-        with self.new_batch(drafter, policy, limits=limits, stats=stats, stop_drafting=stop_drafting) as batch:
+        with self.new_batch(drafter, self.controller_for(draft), limits=limits, stats=stats,
+                            stop_drafting=stop_drafting) as batch:
             batch.add(rows)
             while batch.rows:
                 for row in batch.step():

@@ -8,7 +8,6 @@ the output exact: the target decides.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,19 +24,6 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler (any value, even -1)
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
-    # A drafter whose cache lags behind the committed tokens (rows that joined, steps without drafts) feeds
-    # that backlog first: (tokens fed beyond one per row, seconds of those passes). None: nothing to feed.
-    catch_up: tuple[int, float] | None = None
-
-
-def catch_up_since(tokens: int, start: float, device: torch.device) -> tuple[int, float] | None:
-    """A proposal's ``catch_up`` for a pass begun at ``start`` (``time.perf_counter()``) that fed ``tokens``
-    beyond one per row; None when it fed none."""
-    if not tokens:
-        return None
-    if device.type == "cuda":  # the time must cover the GPU's work, not just its launch
-        torch.cuda.synchronize(device)
-    return tokens, time.perf_counter() - start
 
 
 class Drafter(ABC):
@@ -69,9 +55,14 @@ class Drafter(ABC):
         exact; drafters without a confidence ignore it."""
 
     def backlog(self) -> int:
-        """Tokens the next proposal must feed to its cache beyond one per row before its first draft (new
-        rows' prompts, tokens of steps without drafts); 0 when up to date or without a cache. The draft gate
-        prices it."""
+        """Tokens ``catch_up`` would feed now (new rows' prompts, tokens of steps without drafts); 0 when up to
+        date or without a cache. The speculation controller prices drafting with it."""
+        return 0
+
+    def catch_up(self) -> int:
+        """Feed the backlog to the draft's cache before a proposal (the batch times this phase apart from
+        ``propose``, since it is paid once, not per draft); returns the tokens fed. Called right before
+        ``propose``, only at steps that draft."""
         return 0
 
     @abstractmethod

@@ -86,7 +86,14 @@ class CompositeDrafter(Drafter):
         return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
 
     def backlog(self) -> int:
-        return self.fallback.backlog()  # the n-gram table keeps no cache
+        return 0 if self._all_match() else self.fallback.backlog()  # the n-gram table keeps no cache
+
+    def catch_up(self) -> int:
+        """The fallback's catch-up, unless every row matches (then it does not draft this step)."""
+        return 0 if self._all_match() else self.fallback.catch_up()
+
+    def _all_match(self) -> bool:
+        return all(self.primary.lookup(h, 1) for h in self.primary.histories)
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.primary.add_rows(prompts, sampling)

@@ -14,7 +14,6 @@ Acceptance is the only thing the tokenizers' mismatch can cost.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, model_vocab_size, padded_positions
-from .base import Drafter, Proposal, catch_up_since, common_prefix
+from .base import Drafter, Proposal, common_prefix
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -50,6 +49,7 @@ class CrossTokenizerDrafter(Drafter):
         self.committed: list[list[int]] = []  # per row: the target tokens committed so far
         self.fed: list[list[int]] = []  # per row: the draft tokens in the draft's cache (its valid slots, in order)
         self.synced: list[int] = []  # per row: how many committed tokens the draft's cache has seen
+        self._ready_logits: torch.Tensor | None = None  # [B, V_d] after a catch-up pass, for the next proposal
         self.add_rows(prompts, [])
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
@@ -93,10 +93,20 @@ class CrossTokenizerDrafter(Drafter):
         behind = [len(c) - s for c, s in zip(self.committed, self.synced)]
         return len(behind) * max(max(behind, default=1) - 1, 0)  # one token per row is fed by every step anyway
 
-    def _feed_committed(self) -> tuple[torch.Tensor, tuple[int, float] | None]:
+    def catch_up(self) -> int:
+        """When some row is behind by more than a token, sync and feed every row now (one padded pass) and keep
+        the logits for the proposal; returns the tokens fed beyond one per row."""
+        if not self.backlog():
+            return 0
+        self._ready_logits, fed = self._feed_committed()
+        return fed
+
+    def _feed_committed(self) -> tuple[torch.Tensor, int]:
         """Sync every row's draft cache with its committed text and feed what is new: the draft's logits
-        ``[B, V_d]`` after it, and the catch-up (tokens fed beyond one per row, seconds) when there was one."""
-        t0 = time.perf_counter()
+        ``[B, V_d]`` after it (a catch-up's, if it just ran), and the tokens fed beyond one per row."""
+        if self._ready_logits is not None:
+            ready, self._ready_logits = self._ready_logits, None
+            return ready, 0
         ids, mask = left_pad(self._sync())  # [B, w]
         first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
         logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1]  # [B, V_d]
@@ -104,7 +114,7 @@ class CrossTokenizerDrafter(Drafter):
         for row in range(len(self.committed)):
             self.fed[row] += ids[row][mask[row]].tolist()
         self.synced = [len(c) for c in self.committed]
-        return logits, catch_up_since(ids.numel() - ids.shape[0], t0, logits.device)
+        return logits, ids.numel() - ids.shape[0]
 
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
         """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts``."""
@@ -127,7 +137,7 @@ class CrossTokenizerDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k, rows = num_draft_tokens, len(self.committed)
-        logits, catch_up = self._feed_committed()
+        logits, _ = self._feed_committed()
         logits = logits[:, : self.draft_vocab]  # [B, V_d]
         contexts = [list(f) for f in self.fed]  # the committed text, in draft tokens
         drafted = [logits.argmax(dim=-1)]  # [B] each
@@ -145,7 +155,7 @@ class CrossTokenizerDrafter(Drafter):
         lengths = torch.tensor([len(p) for p in proposals], dtype=torch.long)  # [B]
         width = int(lengths.max()) if rows else 0
         target_ids = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long)  # [B, width]
-        return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths, catch_up=catch_up)
+        return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for row, tokens in enumerate(new_tokens):

@@ -99,3 +99,7 @@ class EarlyExitDrafter(ModelDrafter):
                 stop_below: Sequence[float] | None = None) -> Proposal:
         with truncated_layers(self.model, self.num_layers, self._where):
             return super().propose(num_draft_tokens, uniforms, stop_below)
+
+    def catch_up(self) -> int:
+        with truncated_layers(self.model, self.num_layers, self._where):
+            return super().catch_up()

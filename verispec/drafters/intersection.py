@@ -104,7 +104,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k, rows = num_draft_tokens, len(self.committed)
-        logits, catch_up = self._feed_committed()  # [B, V_d]
+        logits, _ = self._feed_committed()  # [B, V_d]
         all_greedy = all(p.greedy for p in self.params)
         target_ids, target_probs = [], []
         choice = torch.zeros(rows, dtype=torch.long)  # [B] each row's last draft, as an index into the shared tokens
@@ -126,8 +126,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
                 target_probs.append(full.index_copy_(1, self.target_ids, probs.float()))
             target_ids.append(self.target_ids[choice])
         return Proposal(draft_ids=torch.stack(target_ids, dim=1),  # [B, k] target ids
-                        draft_probs=torch.stack(target_probs, dim=1) if target_probs else None,  # [B, k, V]
-                        catch_up=catch_up)
+                        draft_probs=torch.stack(target_probs, dim=1) if target_probs else None)  # [B, k, V]
 
     def select_rows(self, rows: list[int]) -> None:
         super().select_rows(rows)

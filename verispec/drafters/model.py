@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -11,7 +10,7 @@ from transformers import PreTrainedModel
 from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.cache import CachedLM, left_pad, padded_positions
-from .base import Drafter, Proposal, catch_up_since, per_row
+from .base import Drafter, Proposal, per_row
 
 
 class _BlockConfidence:
@@ -49,6 +48,10 @@ class ModelDrafter(Drafter):
     that joins while the draft gate keeps the draft off, and leaves before it opens, costs no draft pass.
     """
 
+    # Pending tokens a row holds between steps that draft (its last token, or its last draft and the bonus):
+    # more means it lags, and the catch-up feeds it.
+    in_step_pending = 2
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.lm = CachedLM(model)
         self.model = model
@@ -67,6 +70,7 @@ class ModelDrafter(Drafter):
         self.pending: list[list[int]] = []
         self.cached = torch.zeros(0, dtype=torch.long)  # [B] tokens in cache per row
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
+        self._ready_logits: torch.Tensor | None = None  # [B, V] after a catch-up pass, for the next proposal
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
@@ -87,8 +91,24 @@ class ModelDrafter(Drafter):
     def backlog(self) -> int:
         unprefilled = set(self._unprefilled())
         others = [len(p) for r, p in enumerate(self.pending) if r not in unprefilled]
-        return (sum(len(self.pending[r]) - 1 for r in unprefilled)
-                + len(others) * (max(others, default=1) - 1))
+        widest = max(others, default=0)
+        lagging = len(others) * (widest - 1) if widest > self.in_step_pending else 0
+        return sum(len(self.pending[r]) - 1 for r in unprefilled) + lagging
+
+    def catch_up(self) -> int:
+        """Prefill rows that joined (each on its own) and, when a row lags (steps without drafts), feed every
+        row's pending tokens in one padded pass, keeping its logits for the first draft."""
+        unprefilled = self._unprefilled()
+        fed = sum(len(self.pending[r]) - 1 for r in unprefilled)
+        if unprefilled:
+            self._prefill(unprefilled)
+        if max((len(p) for p in self.pending), default=0) > self.in_step_pending:
+            ids, mask = left_pad(self.pending)  # [B, w]
+            self._ready_logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
+            fed += ids.numel() - ids.shape[0]
+            self.cached = self.cached + mask.sum(dim=1)
+            self.pending = [[] for _ in self.pending]
+        return fed
 
     def _prefill(self, rows: list[int]) -> None:
         """Prefill these rows on their own (all pending tokens but the last) and put them back in place: the
@@ -118,12 +138,10 @@ class ModelDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k = num_draft_tokens
-        t0 = time.perf_counter()
         unprefilled = self._unprefilled()
-        caught_up = sum(len(self.pending[r]) - 1 for r in unprefilled)  # tokens fed beyond one per row
-        if unprefilled:
+        if unprefilled:  # a caller that did not catch up first
             self._prefill(unprefilled)
-        ids, mask = left_pad(self.pending)  # [B, w]
+        ids, mask = left_pad(self.pending)  # [B, w]; empty after a catch-up that fed them
         next_position = self.cached + mask.sum(dim=1)  # [B] position of the first draft token
         all_greedy = all(p.greedy for p in self.params)
         processed = any(p.processed for p in self.params)
@@ -131,9 +149,10 @@ class ModelDrafter(Drafter):
         if stop_below is not None and any(stop_below):
             confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
         draft_ids, draft_probs = [], []
-        logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
-        caught_up += ids.numel() - ids.shape[0]
-        catch_up = catch_up_since(caught_up, t0, logits.device)  # priced apart from draft passes
+        if self._ready_logits is not None:  # the catch-up fed the pending tokens
+            logits, self._ready_logits = self._ready_logits, None
+        else:
+            logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
         for j in range(k):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
@@ -157,7 +176,6 @@ class ModelDrafter(Drafter):
             draft_ids=torch.stack(draft_ids, dim=1),  # [B, drafted]
             draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, drafted, V]
             draft_lengths=None if confidence is None else confidence.lengths.clamp(max=drafted),
-            catch_up=catch_up,
         )
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:

@@ -63,8 +63,7 @@ class GroupDecoder:
                 prepared.append(str(error))
         rows = [entry[0] for entry in prepared if not isinstance(entry, str)]
         if rows:
-            with self.decoder.new_batch(self.decoder.drafter, self.decoder.gamma_policy,
-                                        stats=GenerationStats()) as batch:
+            with self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats()) as batch:
                 batch.add(rows)
                 while batch.rows:
                     batch.step()
@@ -80,7 +79,7 @@ class GroupDecoder:
             seed = row_seed(self.defaults.seed, index)
         request = validate_request(self.decoder.limits, [prompt_ids], sampling, setting["max_tokens"],
                                    sorted(self.eos_ids), seed)
-        return request.rows(self.decoder.policy_for(request), [index])[0], prompt_ids, request.seed
+        return self.decoder.rows_for(request, [index])[0], prompt_ids, request.seed
 
     def _prompt_ids(self, row: dict) -> list[int]:
         """``prompt`` (text, or a list of token ids) or ``messages`` (the model's chat template, as the server)."""

@@ -1,41 +1,36 @@
-"""Draft-length policies: how many tokens each row drafts at the next step. Exactness never depends on them.
+"""Draft-length policy: how many tokens each row drafts at the next step. Exactness never depends on it.
 
-- ``FixedGamma(g)`` (``base.py``): always g.
-- ``HeuristicGamma`` (``heuristic.py``): transformers' +2 / -1 schedule.
-- ``CostModelGamma`` (``auto.py``, ``num_draft_tokens="auto"``): Leviathan et al.'s cost model
-  (``formula.py``) over a ``CostTable`` of machine costs measured online (``costs.py``, shared by every
-  request) and an ``AcceptanceEstimate`` per request (``acceptance.py``).
-- ``DraftGate`` (``gate.py``): per step, whether the whole batch drafts at all, from measured costs at the
-  current batch size.
-
-Policies learn from ``StepRecord``s (``base.py``): what a step drafted, kept and cost.
+- ``base.py``: a request's maximum (``FixedGamma``, ``AutoGamma``) and the ``StepRecord`` rows learn from;
+- ``heuristic.py``: transformers' timing-free +2 / -1 schedule;
+- ``acceptance.py``: each request's acceptance estimate, per draft position, shrunk towards a pool;
+- ``controller.py``: the ``SpeculationController``, one per (decoder, drafter), which caps every step's draft
+  length at the cap with the best goodput (expected tokens over measured step latency), k = 0 included;
+- ``formula.py``: Leviathan et al.'s expected tokens per step.
 """
 
 from __future__ import annotations
 
 from .acceptance import AcceptanceEstimate, AcceptancePool, PositionCounts
-from .auto import CostModelGamma
-from .base import FixedGamma, GammaPolicy, StepRecord
-from .costs import CostCurve, CostTable, Ema
-from .formula import best_gamma, expected_tokens, expected_tokens_by_position, expected_tokens_curve
-from .gate import DraftGate, GateDecision
+from .base import AutoGamma, FixedGamma, GammaPolicy, StepRecord
+from .controller import CapDecision, LatencyStats, RowPlan, SpeculationController, bucket_label, bucket_of
+from .formula import expected_tokens, expected_tokens_by_position, expected_tokens_curve
 from .heuristic import HeuristicGamma
 
 __all__ = [
     "AcceptanceEstimate",
     "AcceptancePool",
-    "CostCurve",
-    "CostModelGamma",
-    "CostTable",
-    "DraftGate",
-    "Ema",
+    "AutoGamma",
+    "CapDecision",
     "FixedGamma",
     "GammaPolicy",
-    "GateDecision",
     "HeuristicGamma",
+    "LatencyStats",
     "PositionCounts",
+    "RowPlan",
+    "SpeculationController",
     "StepRecord",
-    "best_gamma",
+    "bucket_label",
+    "bucket_of",
     "expected_tokens",
     "expected_tokens_by_position",
     "expected_tokens_curve",
@@ -44,14 +39,14 @@ __all__ = [
 
 
 def make_gamma_policy(num_draft_tokens: int | str | GammaPolicy) -> GammaPolicy:
-    """``int`` (fixed), ``"auto"`` (Leviathan et al.'s cost model, online), ``"heuristic"`` (transformers'
-    +2 / -1 schedule) or a ``GammaPolicy``."""
+    """``int`` >= 0 (a fixed length; 0 never drafts), ``"auto"`` (the controller chooses, up to 12) or
+    ``"heuristic"`` (transformers' +2 / -1 schedule), or a ``GammaPolicy``."""
     if isinstance(num_draft_tokens, GammaPolicy):
         return num_draft_tokens
     if num_draft_tokens == "auto":
-        return CostModelGamma()
+        return AutoGamma()
     if num_draft_tokens == "heuristic":
         return HeuristicGamma()
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an integer >= 1, 'auto' or 'heuristic', got {num_draft_tokens!r}")
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be an integer >= 0, 'auto' or 'heuristic', got {num_draft_tokens!r}")
     return FixedGamma(num_draft_tokens)

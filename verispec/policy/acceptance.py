@@ -18,8 +18,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from .base import StepRecord
-
 
 def _logit(x: float) -> float:
     x = min(max(x, 1e-4), 1 - 1e-4)
@@ -128,10 +126,9 @@ class AcceptanceEstimate:
             out.append(base)
         return out
 
-    def observe(self, record: StepRecord) -> None:
-        """Count every row of ``record`` that drafted (a policy used for a whole batch sees all its rows)."""
-        for n, length in zip(record.row_accepted, record.row_draft_lengths):
-            if length:
-                self.counts.add(length, n)
-                self.pool.add(length, n, self.previous_full)
-                self.previous_full = n == length
+    def add(self, draft_length: int, num_kept: int) -> None:
+        """Count one judged block of this request (``draft_length`` > 0 drafts, ``num_kept`` of them kept)."""
+        if draft_length:
+            self.counts.add(draft_length, num_kept)
+            self.pool.add(draft_length, num_kept, self.previous_full)
+            self.previous_full = num_kept == draft_length

@@ -1,84 +1,51 @@
-"""The draft-length policy interface, the record of a step it learns from, and the fixed policy."""
+"""A request's draft length: the most drafts each of its rows may make per step.
+
+- ``FixedGamma(k)``: k (0: never draft, exactly like running without a draft);
+- ``AutoGamma``: up to ``max_gamma``, the speculation controller choosing how many (``controller.py``);
+- ``HeuristicGamma`` (``heuristic.py``): transformers' +2 / -1 schedule, timing-free.
+
+A row's length is a maximum: the controller caps it at the batch's best cap, unless the row is pinned (a
+seeded sampled request, whose tokens must not depend on timings) or the decoder was built with a fixed length
+(then every row of its own requests drafts exactly that, as benchmarks of fixed lengths need).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .costs import CostTable
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one decode step did, for a policy to learn from. Per-row lists follow the batch's row order.
-
-    A record of the whole batch carries the step's timings; a row's share of it (``row(b)``) carries none,
-    since one pass over the batch cannot be timed per row.
-    """
+    """What one decode step did for the rows of a batch (per-row lists follow the batch's row order)."""
 
     draft_length: int  # columns drafted and scored this step (the longest row's draft); 0 = target alone
     row_draft_lengths: list[int]  # per row: drafts really proposed (a row may propose fewer than the columns)
     row_accepted: list[int]  # per row: drafts the target kept
-    draft_time_s: float | None = None  # seconds drafting for the whole batch; None = not timed
-    target_time_s: float | None = None  # seconds of the target pass over the whole batch; None = not timed
-    catch_up: tuple[int, float] | None = None  # the draft's backlog pass: (tokens fed, seconds), in draft_time_s
 
     def __post_init__(self) -> None:
         if len(self.row_draft_lengths) != len(self.row_accepted):
             raise ValueError(f"{len(self.row_draft_lengths)} draft lengths for {len(self.row_accepted)} accepted counts")
 
-    @property
-    def batch_rows(self) -> int:
-        """Rows that took part in the step."""
-        return len(self.row_draft_lengths)
-
     def row(self, b: int) -> StepRecord:
-        """Row ``b``'s share: its own draft length and accepted count, no timings."""
+        """Row ``b``'s share: its own draft length and accepted count."""
         return StepRecord(self.draft_length, [self.row_draft_lengths[b]], [self.row_accepted[b]])
 
 
 class GammaPolicy:
-    """Interface: ``choose`` before a step, ``observe`` after it. Policies choose lengths only: exactness never
-    depends on them."""
+    """Interface: ``choose`` before a step, ``observe`` after it. Exactness never depends on a policy."""
 
     name = "policy"
-    #: the machine costs this policy reads (the batch keeps measuring them); None when it reads none, which
-    #: also means its choices never depend on timings
-    costs: CostTable | None = None
 
-    def reset(self) -> None:
-        """Forget per-request state (acceptance); keep machine-level measurements (costs)."""
-
-    def choose(self, max_gamma: int, rows: int = 1) -> int:
-        """The next draft length, at most ``max_gamma``, for one row of a batch of ``rows``."""
+    def choose(self, max_gamma: int) -> int:
+        """The most drafts this row may make next step, at most ``max_gamma`` (its remaining budget)."""
         raise NotImplementedError
 
-    def stop_threshold(self, gamma: int, rows: int = 1) -> float:
-        """Where a confidence-aware drafter may end this row's block early: once the draft's own probability
-        of the block falls below this. 0 (the default) means never."""
-        return 0.0
-
-    def expected_tokens(self, gamma: int) -> float | None:
-        """Expected tokens this row emits in a step with ``gamma`` drafts; None when the policy keeps no
-        acceptance estimate (then the batch's draft gate never overrides its choice)."""
-        return None
-
-    def expected_tokens_upto(self, gamma: int) -> list[float] | None:
-        """``[g]``: ``expected_tokens(g)`` for g = 0..gamma (what the draft gate weighs); None without an estimate."""
-        return None
-
-    def acceptance(self) -> float | None:
-        """This row's per-draft acceptance estimate, if the policy keeps one (telemetry)."""
-        return None
-
     def for_row(self) -> GammaPolicy:
-        """The policy one row of a batch uses: rows adapt on their own acceptance (so a row's draft lengths
-        do not depend on the other rows), sharing machine-level cost measurements."""
+        """The policy one row uses (rows with a schedule keep their own state)."""
         return self
 
     def observe(self, record: StepRecord) -> None:
-        """Learn from one step: a batch's record (with timings) or one row's share (without)."""
+        """Learn from one row's share of a step."""
 
 
 class FixedGamma(GammaPolicy):
@@ -86,5 +53,16 @@ class FixedGamma(GammaPolicy):
         self.gamma = gamma
         self.name = str(gamma)
 
-    def choose(self, max_gamma: int, rows: int = 1) -> int:
-        return min(self.gamma, max_gamma)
+    def choose(self, max_gamma: int) -> int:
+        return max(min(self.gamma, max_gamma), 0)
+
+
+@dataclass
+class AutoGamma(GammaPolicy):
+    """``num_draft_tokens="auto"``: up to ``max_gamma`` drafts, the speculation controller choosing how many."""
+
+    max_gamma: int = 12
+    name = "auto"
+
+    def choose(self, max_gamma: int) -> int:
+        return max(min(self.max_gamma, max_gamma), 0)

@@ -24,7 +24,7 @@ class HeuristicGamma(GammaPolicy):
     def for_row(self) -> HeuristicGamma:
         return HeuristicGamma(self.start, self.max_gamma)
 
-    def choose(self, max_gamma: int, rows: int = 1) -> int:
+    def choose(self, max_gamma: int) -> int:
         return min(self.gamma, max_gamma)
 
     def observe(self, record: StepRecord) -> None:

@@ -232,6 +232,7 @@ class Engine:
                 self._turn(cancelled, joining_rows, finished)
             except Exception as error:  # noqa: BLE001 - an internal failure ends the rows that cause it, never the engine
                 self._isolate(error, joining_rows, finished, before)
+            self._release_delivered()
             with self._cv:
                 for row in finished:
                     self._finish_locked(row)
@@ -263,6 +264,13 @@ class Engine:
             finished += self._batch.step()
         if not self._batch.rows:  # idle: give the drafter back
             self._close_batch()
+
+    def _release_delivered(self) -> None:
+        """Drop the logprobs the running rows' events have delivered: a row keeps one entry per output token
+        otherwise (a ``TokenLogprob`` with up to 20 alternatives), for as long as it runs."""
+        for row in self._batch.rows if self._batch is not None else ():
+            if row.output_logprobs:
+                row.output_logprobs.clear()
 
     # --- fault isolation: one row's failure ends that row alone --------------------------------------------
     def _snapshot(self, joining: list[Row]) -> dict[int, tuple[int, Any]]:

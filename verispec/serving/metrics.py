@@ -38,49 +38,36 @@ class _EngineCollector:
                                 value=running)
         yield GaugeMetricFamily("verispec_requests_waiting", "Engine requests waiting to join the batch.",
                                 value=metrics.get("waiting", 0))
-        yield from _gate_metrics(metrics)
+        yield from _speculation_metrics(metrics)
 
     def describe(self) -> list[Metric]:  # registering must not scrape the engine
         return []
 
 
-def _gate_metrics(metrics: Mapping) -> Iterator[Metric]:
-    """The draft gate (``verispec.policy.gate``): whether the last step drafted, why, what the cost model expected
-    with and without drafts at that batch size, the draft-length cap it chose, and the drafting rows' acceptance
-    estimate."""
-    yield CounterMetricFamily("verispec_draft_gate_closed_steps",
-                              "Steps in which the draft gate chose k = 0 for the whole batch although rows wanted to draft.",
-                              value=metrics.get("draft_gate_closed_steps", 0))
-    steps = CounterMetricFamily("verispec_draft_gate_steps",
-                                "Steps the draft gate decided, by reason (pays, slower, measure, probe, unmeasured, "
-                                "ungated, rows).", labels=["reason"])
-    for name, count in sorted(metrics.get("draft_gate_steps", {}).items()):
+def _speculation_metrics(metrics: Mapping) -> Iterator[Metric]:
+    """The speculation controller (``verispec.policy.controller``): its decisions by reason, and by batch-size
+    bucket the cap it chose last, why, and the goodput it expected there and with the target alone."""
+    speculation = metrics.get("speculation") or {}
+    steps = CounterMetricFamily("verispec_speculation_steps",
+                                "Steps the speculation controller decided, by reason (pays, alone, explore, none, "
+                                "pinned).", labels=["reason"])
+    for name, count in sorted(speculation.get("steps_by_reason", {}).items()):
         steps.add_metric([name], count)
     yield steps
-    last = metrics.get("draft_gate")
-    if not last:
-        return
-    yield GaugeMetricFamily("verispec_draft_gate_open", "1 if the last step drafted as its rows chose, 0 if k = 0.",
-                            value=float(last["open"]))
-    reason = GaugeMetricFamily("verispec_draft_gate_reason", "The last gate decision's reason (value 1).",
-                               labels=["reason"])
-    reason.add_metric([last["reason"]], 1.0)
-    yield reason
-    rates = GaugeMetricFamily("verispec_draft_gate_expected_tokens_per_second",
-                              "Tokens per second the cost model expected for the last step, drafting or with k = 0.",
-                              labels=["mode"])
-    for mode, key in (("draft", "draft_tokens_per_s"), ("alone", "alone_tokens_per_s")):
-        if last.get(key) is not None:
-            rates.add_metric([mode], last[key])
-    yield rates
-    if last.get("cap") is not None:
-        yield GaugeMetricFamily("verispec_draft_gate_cap",
-                                "The longest draft the cost model rated best for the last step (rows capped at it).",
-                                value=float(last["cap"]))
-    if last.get("acceptance") is not None:
-        yield GaugeMetricFamily("verispec_acceptance_estimate",
-                                "Mean per-draft acceptance estimate of the rows that wanted to draft at the last step.",
-                                value=last["acceptance"])
+    cap = GaugeMetricFamily("verispec_draft_cap", "The draft-length cap the controller chose last, by batch-size "
+                            "bucket (0: the target alone).", labels=["bucket"])
+    reason = GaugeMetricFamily("verispec_draft_cap_reason", "Why the controller chose its last cap in each batch-size "
+                               "bucket (value 1).", labels=["bucket", "reason"])
+    goodput = GaugeMetricFamily("verispec_expected_goodput_tokens_per_second",
+                                "Tokens per second the controller expected at its last cap and with the target alone, "
+                                "by batch-size bucket.", labels=["bucket", "mode"])
+    for bucket, last in sorted(speculation.get("last_by_bucket", {}).items()):
+        cap.add_metric([bucket], float(last["cap"]))
+        reason.add_metric([bucket, last["reason"]], 1.0)
+        for mode, key in (("cap", "goodput"), ("alone", "alone_goodput")):
+            if last.get(key) is not None:
+                goodput.add_metric([bucket, mode], last[key])
+    yield from (cap, reason, goodput)
 
 
 class Metrics:

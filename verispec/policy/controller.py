@@ -1,0 +1,276 @@
+"""The speculation controller: at every step, how many tokens the batch drafts, k = 0 (the target alone) included.
+
+The batch drafts ``k = max_r k_r`` columns: one row that drafts makes every row pay the draft passes and the
+target score ``B * (k + 1)`` tokens. So the controller picks one cap ``c`` for the whole batch and row r drafts
+``min(k_r, c)``, where ``k_r`` is the most its request allows. It picks the cap with the best *goodput* (SmartSpec,
+arXiv 2406.14066): expected committed tokens of the batch at cap c over the step's latency at c,
+
+    c* = argmax_c  sum_r E_r[tokens | min(k_r, c)]  /  (L(B, c) + catch-up / horizon),
+
+where ``E_r`` comes from the request's acceptance estimate (``acceptance.py``: per draft position, shrunk towards
+the drafter's pool) and ``L(B, c)`` is the latency of *whole steps* as measured (draft passes, the target pass,
+verification, bookkeeping), by batch-size bucket and cap, with its spread. Nothing is decomposed into parts
+that would have to add up. A drafter whose cache lags (new rows' prompts, tokens of steps without drafts) pays a
+catch-up pass first, priced per token fed and spread over the steps the rows have left, since it is paid once.
+
+Exploitation is conservative: a cap c > 0 runs only where its goodput's lower confidence bound beats the upper
+bound of c = 0's, so drafting is never chosen on a guess. Exploration is by confidence bounds: on a schedule
+per bucket, the neighbour of the current choice with the best upper bound runs once; the schedule's interval
+doubles each time exploring finds nothing better (up to ``max_explore_interval`` steps) and returns to one
+step when it does, so the cost of looking is bounded and re-measuring continues when the load changes.
+
+Rows whose tokens must not depend on timings (a seeded sampled request: with rejection sampling, its tokens
+depend on where blocks end) are *pinned*: they draft their own length whatever the cap, and the batch's
+columns are at least theirs. Exactness never depends on the controller: it only chooses lengths.
+
+One controller serves one (decoder, drafter) and lives as long as the decoder: the engine's batches and
+concurrent ``generate`` calls all feed it, under its lock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from .acceptance import AcceptanceEstimate, AcceptancePool
+from .formula import expected_tokens_curve
+
+# Confidence bounds are mean -/+ Z standard errors of the latency: about 2.3% one-sided for a normal spread.
+Z = 2.0
+# Each new step at a (bucket, cap) weighs 1 and the earlier ones this much less: the latency table follows a
+# load that changes (about the last 30 steps count) without forgetting a cap that was not re-run.
+DECAY = 0.97
+# Relative spread assumed for a latency seen fewer than twice (a single step says nothing of its noise) and
+# the least spread ever assumed (a machine's timings drift by a few percent whatever the sample size).
+PRIOR_SPREAD, MIN_SPREAD = 0.10, 0.02
+# Before any step at a cap has been timed in a bucket, its latency is read off a line through the bucket's
+# measured caps; with one measured cap, each draft column is assumed to cost this fraction of a step of the
+# target alone (a small draft on an accelerator; a CPU measures more and then knows).
+PRIOR_COLUMN_COST = 0.25
+# Rows of a step whose caps were never timed are predicted with this relative spread, so the bound that makes
+# the controller look there is optimistic but finite.
+UNMEASURED_SPREAD = 0.3
+
+
+def bucket_of(rows: int) -> int:
+    """The batch-size bucket of ``rows``: 0 for 1 row, 1 for 2, then 3-4, 5-8, 9-16, ... (powers of two).
+    Latency grows with rows; within a bucket (at most 2x) a line in rows fits it."""
+    return max(rows - 1, 0).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    low, high = (1 << (bucket - 1)) + 1 if bucket else 1, 1 << bucket
+    return str(high) if low == high else f"{low}-{high}"
+
+
+@dataclass
+class LatencyStats:
+    """Whole-step seconds at one (bucket, cap): exponentially weighted least squares of seconds on batch rows."""
+
+    w: float = 0.0
+    w2: float = 0.0  # sum of squared weights: the effective sample size is w**2 / w2
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    syy: float = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.w, self.w2 = DECAY * self.w + 1.0, DECAY * DECAY * self.w2 + 1.0
+        self.sx, self.sy = DECAY * self.sx + rows, DECAY * self.sy + seconds
+        self.sxx, self.sxy = DECAY * self.sxx + rows * rows, DECAY * self.sxy + rows * seconds
+        self.syy = DECAY * self.syy + seconds * seconds
+
+    @property
+    def samples(self) -> float:
+        """The effective number of steps behind the estimate."""
+        return self.w * self.w / self.w2 if self.w2 else 0.0
+
+    def predict(self, rows: int) -> tuple[float, float]:
+        """(mean seconds, standard error) of a step of ``rows`` rows."""
+        mx, my = self.sx / self.w, self.sy / self.w
+        var_x, cov = self.sxx / self.w - mx * mx, self.sxy / self.w - mx * my
+        slope = max(cov / var_x, 0.0) if var_x > 0.1 else 0.0  # more rows never cost less
+        mean = max(my + slope * (rows - mx), 0.5 * my)
+        n = self.samples
+        if n < 1.5:
+            return mean, PRIOR_SPREAD * mean
+        residual = max(self.syy / self.w - my * my - slope * cov, 0.0)
+        spread = max(math.sqrt(residual * n / (n - 1)), MIN_SPREAD * mean)
+        return mean, spread / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """What the controller needs of one row before a step."""
+
+    limit: int  # the most drafts the row may make this step (its request's length, within its budget)
+    estimate: AcceptanceEstimate  # its request's acceptance
+    pinned: bool = False  # drafts exactly ``limit`` whatever the cap (its tokens must not depend on timings)
+    remaining: int = 1  # tokens it may still emit (the horizon over which a catch-up is spread)
+
+
+@dataclass(frozen=True)
+class CapDecision:
+    """One step's decision, for telemetry and ``/metrics``."""
+
+    cap: int  # the cap on every controlled row's draft length (0: the target alone)
+    reason: str  # "pays": c > 0 beats the target alone at confidence; "alone": it does not (yet);
+    #              "explore": a neighbour's upper bound looked better, run once to measure it;
+    #              "none": no row may draft; "pinned": only pinned rows draft
+    rows: int
+    bucket: str
+    goodput: float | None = None  # expected tokens per second at the cap
+    alone_goodput: float | None = None  # expected tokens per second with c = 0
+    tokens: float | None = None  # expected tokens of the batch at the cap
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Schedule:
+    """A bucket's exploration schedule."""
+
+    steps: int = 0
+    due: int = 0
+    interval: int = 1
+
+
+@dataclass
+class SpeculationController:
+    """Chooses each step's draft cap from measured whole-step latency and per-request acceptance. Thread-safe."""
+
+    max_explore_interval: int = 64
+    pool: AcceptancePool = field(default_factory=AcceptancePool)
+    _latency: dict[tuple[int, int], LatencyStats] = field(default_factory=dict, repr=False)
+    _catch_up: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # decayed tokens, seconds
+    _schedules: dict[int, _Schedule] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    steps_by_reason: Counter = field(default_factory=Counter)
+    last_by_bucket: dict[str, CapDecision] = field(default_factory=dict)
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        """A new request's acceptance estimate, read against this drafter's pool."""
+        return AcceptanceEstimate(pool=self.pool)
+
+    # --- before a step -------------------------------------------------------------------------------------
+    def decide(self, rows: Sequence[RowPlan], backlog: int = 0) -> tuple[list[int], CapDecision]:
+        """The draft length of every row this step, and why. ``backlog``: tokens the drafter must feed before
+        drafting (``Drafter.backlog``)."""
+        with self._lock:
+            lengths, decision = self._decide(rows, backlog)
+            self.steps_by_reason[decision.reason] += 1
+            self.last_by_bucket[decision.bucket] = decision
+            return lengths, decision
+
+    def _decide(self, rows: Sequence[RowPlan], backlog: int) -> tuple[list[int], CapDecision]:
+        size, bucket = len(rows), bucket_of(len(rows))
+        label = bucket_label(bucket)
+        pinned_columns = max((r.limit for r in rows if r.pinned), default=0)
+        top = max((r.limit for r in rows if not r.pinned), default=0)
+        if top == 0:
+            lengths = [r.limit if r.pinned else 0 for r in rows]
+            return lengths, CapDecision(0, "pinned" if pinned_columns else "none", size, label)
+        curves = [expected_tokens_curve(r.estimate.position_acceptance(r.limit), r.limit) for r in rows]
+
+        def tokens(cap: int) -> float:
+            return sum(curve[r.limit if r.pinned else min(r.limit, cap)] for r, curve in zip(rows, curves))
+
+        remaining = sum(r.remaining for r in rows) / size
+        per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
+        latency = self._latency_line(bucket, size, max(top, pinned_columns))
+        bounds = []  # per cap: (mean goodput, lower bound, upper bound)
+        for cap in range(top + 1):
+            columns = max(cap, pinned_columns)
+            mean, error = latency[columns]
+            expected = tokens(cap)
+            extra = 0.0
+            if columns > 0 and backlog > 0:  # paid once: spread over the steps the rows have left
+                extra = per_token * backlog / max(1.0, remaining * size / expected)
+            bounds.append((expected / (mean + extra), expected / (mean + Z * error + extra),
+                           expected / (max(mean - Z * error, 0.1 * mean) + extra)))
+
+        schedule = self._schedules.setdefault(bucket, _Schedule())
+        schedule.steps += 1
+        alone_high = bounds[0][2]
+        confident = [c for c in range(1, top + 1) if bounds[c][1] > alone_high]
+        choice = max(confident, key=lambda c: (bounds[c][0], -c)) if confident else 0
+        reason = "pays" if choice else "alone"
+        if schedule.steps > schedule.due:
+            # Look next to the choice (a cap far from it is predicted from a line through measured ones, and a
+            # wrong guess there can cost several steps); in a bucket never timed, start from the prior's best.
+            measured = any(key[0] == bucket for key in self._latency)
+            near = range(top + 1) if not measured else (choice - 1, choice + 1)
+            candidates = [c for c in near if 0 <= c <= top and c != choice]
+            if candidates:
+                look = max(candidates, key=lambda c: (bounds[c][2], -c))
+                if bounds[look][2] > bounds[choice][0]:
+                    promising = bounds[look][0] > bounds[choice][0]
+                    schedule.interval = 1 if promising else min(2 * schedule.interval, self.max_explore_interval)
+                    schedule.due = schedule.steps + schedule.interval
+                    choice, reason = look, "explore"
+        lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
+        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0], tokens(choice))
+
+    def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
+        """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where
+        timed, else on the least-squares line through the bucket's measured columns (one measured: the prior
+        column cost; none: a unit scale, since only ratios between caps matter then)."""
+        known = {c: stats.predict(rows) for (b, c), stats in self._latency.items() if b == bucket}
+        if len(known) >= 2:
+            xs, ys = list(known), [m for m, _ in known.values()]
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - mx) ** 2 for x in xs)
+            slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0)
+            line = lambda c: max(my + slope * (c - mx), min(ys))  # noqa: E731
+        elif known:
+            (c0, (m0, _)), = known.items()
+            base = m0 / (1 + PRIOR_COLUMN_COST * c0)
+            line = lambda c: base * (1 + PRIOR_COLUMN_COST * c)  # noqa: E731
+        else:
+            line = lambda c: 1.0 + PRIOR_COLUMN_COST * c  # noqa: E731
+        return [known[c] if c in known else (line(c), UNMEASURED_SPREAD * line(c)) for c in range(top + 1)]
+
+    def stop_threshold(self, rows: int, cap: int, tokens: float) -> float:
+        """Where a confidence-aware drafter may end a row's block early: once the draft's own probability of
+        the block falls below the share of the last column's cost this row bears (1 / ``rows`` of it) over what
+        a committed token costs at this cap (``tokens``: the batch's expected tokens). 0 while either latency
+        is untimed."""
+        if cap < 1:
+            return 0.0
+        with self._lock:
+            bucket = bucket_of(rows)
+            last, before = self._latency.get((bucket, cap)), self._latency.get((bucket, cap - 1))
+            if last is None or before is None:
+                return 0.0
+            step, previous = last.predict(rows)[0], before.predict(rows)[0]
+        if step <= 0:
+            return 0.0
+        return min(max(step - previous, 0.0) / rows / (step / max(tokens, 1.0)), 1.0)
+
+    # --- after a step --------------------------------------------------------------------------------------
+    def observe_step(self, rows: int, columns: int, seconds: float, catch_up: tuple[int, float] | None = None) -> None:
+        """A whole step as it ran: ``rows`` rows, ``columns`` draft columns, ``seconds`` of it (catch-up, user
+        callbacks and lock waits excluded); ``catch_up``: (tokens fed, seconds) of the drafter's backlog pass."""
+        with self._lock:
+            if seconds > 0 and rows > 0:
+                self._latency.setdefault((bucket_of(rows), columns), LatencyStats()).add(rows, seconds)
+            if catch_up is not None and catch_up[0] > 0:
+                self._catch_up = [DECAY * self._catch_up[0] + catch_up[0], DECAY * self._catch_up[1] + catch_up[1]]
+
+    def observe_rows(self, outcomes: Sequence[tuple[AcceptanceEstimate, int, int]]) -> None:
+        """Per row that drafted: (its estimate, drafts proposed, drafts kept)."""
+        with self._lock:
+            for estimate, proposed, kept in outcomes:
+                estimate.add(proposed, kept)
+
+    # --- telemetry -----------------------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Decisions so far by reason, and the last decision in each batch-size bucket."""
+        with self._lock:
+            return {"steps_by_reason": dict(self.steps_by_reason),
+                    "last_by_bucket": {label: d.to_dict() for label, d in self.last_by_bucket.items()}}
