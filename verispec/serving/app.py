@@ -49,6 +49,7 @@ from .. import __version__
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
+from .detokenize import TokenBytes
 from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .generation import Generation, Params
 from .guard import REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
@@ -94,11 +95,19 @@ class Server:
         self.metrics = Metrics(engine.metrics, lambda: self.in_flight)
         self._tokenizing: anyio.CapacityLimiter | None = None  # one tokenisation at a time, off the event loop
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built on the first structured request
+        self._token_bytes: TokenBytes | None = None  # built on the first request for logprobs
 
     @property
     def in_flight(self) -> int:
         """Engine requests this server admitted that have not finished (cancelled ones included)."""
         return self.admission.in_flight
+
+    @property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's bytes and logprob text (built by ``parse`` on a worker thread: it reads the vocabulary)."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self.tokenizer, self._grammar_tokenizer)
+        return self._token_bytes
 
     def count_http(self, path: str, status: int) -> None:
         self.metrics.count_http(path if path in _ENDPOINTS else "other", status)
@@ -137,6 +146,8 @@ class Server:
             raise ApiError(f"{choices} choices x {max_name}={max_tokens} is {choices * max_tokens} tokens; this "
                            f"server's limit is {per_request} tokens per request", max_name, "invalid_value")
         options = body.stream_options
+        if body.logprobs_count is not None:
+            _ = self.token_bytes
         return Params(
             chat=chat, prompts=prompts, max_tokens=max_tokens,
             temperature=body.temperature,  # SamplingParams treats tiny temperatures as greedy

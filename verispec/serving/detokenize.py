@@ -12,6 +12,7 @@ never change after it was sent.
 
 from __future__ import annotations
 
+import codecs
 from bisect import bisect_left
 from collections.abc import Sequence
 
@@ -168,3 +169,74 @@ class TextState:
     def _release(self, count: int) -> None:
         self.text += self._held[:count]
         self._held = self._held[count:]
+
+
+class TokenBytes:
+    """Each token's own bytes, and its text as OpenAI writes it in logprobs: the bytes decoded when they are whole
+    UTF-8 characters, else ``bytes:\\xe2\\x82`` (a token that holds part of a character).
+
+    The bytes come from llguidance's reading of the vocabulary (byte-level BPE as in GPT-2 / Qwen / Llama 3,
+    sentencepiece with byte fallback), so distinct tokens get distinct texts; for a tokenizer it cannot read
+    (e.g. word-level, which has no partial characters), from decoding the token alone. Special tokens are
+    written by name."""
+
+    def __init__(self, tokenizer, vocab: object | None = None) -> None:
+        """``vocab``: an ``llguidance.LLTokenizer`` over ``tokenizer`` if one is at hand (one is built
+        otherwise; it reads the whole vocabulary)."""
+        self.tokenizer = tokenizer
+        if vocab is None:
+            try:
+                import llguidance.hf
+
+                vocab = llguidance.hf.from_tokenizer(tokenizer)
+            except Exception:  # noqa: BLE001 - a tokenizer llguidance cannot read: decode tokens alone
+                vocab = None
+        self._vocab = vocab
+        self.exact = vocab is not None  # the bytes of a completion's tokens join to its text
+        # Tokens that decoding skips: they have no text in a completion.
+        added = getattr(tokenizer, "added_tokens_decoder", {})
+        self.special = frozenset(getattr(tokenizer, "all_special_ids", ())) | {
+            token for token, added_token in added.items() if getattr(added_token, "special", False)}
+        self._cache: dict[int, bytes] = {}  # at most one entry per token of the vocabulary
+
+    def bytes(self, token: int) -> bytes:
+        raw = self._cache.get(token)
+        if raw is None:
+            if self._vocab is not None and 0 <= token < self._vocab.vocab_size:
+                raw = self._vocab.decode_bytes([token])
+            else:
+                raw = self.tokenizer.decode([token]).encode("utf-8")
+            self._cache[token] = raw
+        return raw
+
+    def text(self, token: int) -> str:
+        raw = self.bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class TextOffsets:
+    """Where each token of a completion starts in its text (OpenAI's ``text_offset``), token by token.
+
+    With a vocabulary read byte by byte (``TokenBytes.exact``), the text is the tokens' bytes decoded as UTF-8
+    (special tokens skipped), so a token starts after the characters its predecessors completed: a character
+    split over several tokens starts at its first. Otherwise (word-level tokenizers and such, whose tokens are
+    whole words) the pieces of the incremental decoder say it."""
+
+    def __init__(self, tokenizer, names: TokenBytes, context_ids: Sequence[int] = ()) -> None:
+        self._names = names
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if names.exact else None
+        self._pieces = None if names.exact else IncrementalDecoder(tokenizer, context_ids)
+        self.offset = 0  # characters of text before the next token
+
+    def push(self, token: int) -> tuple[int, str]:
+        """The token's start, and the text that became whole with it."""
+        start = self.offset
+        if self._utf8 is not None:
+            text = "" if token in self._names.special else self._utf8.decode(self._names.bytes(token))
+        else:
+            text = self._pieces.push(token)
+        self.offset += len(text)
+        return start, text

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.logprobs import TokenLogprob
-from .detokenize import TextState
+from .detokenize import TextOffsets, TextState
 from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent
 from .errors import ApiError
 from .responses import (
@@ -75,8 +75,9 @@ class Choice:
     received: int = 0  # tokens received from the engine (past a stop string too)
     first_token_at: float | None = None
     cancelled: bool = False
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token received, if asked
-    logprobs_sent: int = 0  # entries already streamed
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per token received and not sent yet, if asked
+    logprobs_sent: int = 0  # entries already sent (streamed), dropped from ``logprobs``
+    offsets: TextOffsets | None = None  # where each token's text starts (``text_offset``), if logprobs are asked
 
 
 class Generation:
@@ -126,6 +127,9 @@ class Generation:
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
         for choice in self.choices:
             choice.state = TextState(self.server.tokenizer, p.prompts[choice.prompt_index], p.stops)
+            if p.logprobs is not None:
+                choice.offsets = TextOffsets(self.server.tokenizer, self.server.token_bytes,
+                                             p.prompts[choice.prompt_index])
 
     def _poster(self, index: int) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
@@ -257,32 +261,35 @@ class Generation:
 
     def _logprobs(self, choice: Choice) -> ChatLogprobs | CompletionLogprobs | None:
         """The logprobs of the choice's tokens not sent yet, up to the last one its text needs (none past a
-        stop string), in the endpoint's shape; None when the request did not ask for them."""
+        stop string, and not the end token, which has no text: as OpenAI), in the endpoint's shape; None when the
+        request did not ask for them.
+
+        Each token is written by its own bytes (``TokenBytes``: a token holding part of a UTF-8 character reads
+        ``bytes:\\xNN``, so no two alternatives share a key), and ``text_offset`` is where its text starts in the
+        returned text (a character split over several tokens starts at the first)."""
         if self.params.logprobs is None:
             return None
-        entries = choice.logprobs[choice.logprobs_sent : choice.state.num_tokens]
-        offset = sum(len(t) for t in self._token_texts(choice.logprobs[: choice.logprobs_sent]))
+        count = max(0, choice.state.num_tokens - choice.logprobs_sent)
+        entries = choice.logprobs[:count]
+        del choice.logprobs[:count]  # sent: a long stream keeps only what it has not sent
         choice.logprobs_sent += len(entries)
-        texts = self._token_texts(entries)
+        end_ids = set(self.server.eos_token_ids) | set(self.params.sampling_options.get("stop_token_ids", ()))
+        kept, starts = [], []
+        for entry in entries:
+            start, text = choice.offsets.push(entry.token)
+            if entry.token in end_ids and not text:
+                continue
+            kept.append(entry)
+            starts.append(start)
+        names = self.server.token_bytes
         if self.params.chat:
             return ChatLogprobs(content=[
-                ChatTokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()),
-                                 top_logprobs=[self._top(t, v) for t, v in e.top])
-                for text, e in zip(texts, entries)])
-        starts = [offset + sum(len(t) for t in texts[:i]) for i in range(len(texts))]
-        return CompletionLogprobs(tokens=texts, token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[{self._token_text(t): v for t, v in e.top} for e in entries],
-                                  text_offset=starts)
-
-    def _token_text(self, token: int) -> str:
-        return self.server.tokenizer.decode([token])
-
-    def _token_texts(self, entries: Sequence[TokenLogprob]) -> list[str]:
-        return [self._token_text(e.token) for e in entries]
-
-    def _top(self, token: int, logprob: float) -> TopLogprob:
-        text = self._token_text(token)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+                ChatTokenLogprob(token=names.text(e.token), logprob=e.logprob, bytes=list(names.bytes(e.token)),
+                                 top_logprobs=[TopLogprob(token=names.text(t), logprob=v, bytes=list(names.bytes(t)))
+                                               for t, v in e.top])
+                for e in kept])
+        return CompletionLogprobs(tokens=[names.text(e.token) for e in kept], token_logprobs=[e.logprob for e in kept],
+                                  top_logprobs=[_top_by_text(names, e.top) for e in kept], text_offset=starts)
 
     def chunk(self, choice: Choice | None, text: str | None, finished: bool, role: bool = False) -> BaseModel:
         """One streamed chunk: a piece of text for one choice, its finish, or (``choice=None``) usage."""
@@ -301,6 +308,15 @@ class Generation:
         else:
             entry = CompletionChoice(index=choice.index, text=text or "", logprobs=self._logprobs(choice), **end)
         return kind(**common, choices=[entry])
+
+
+def _top_by_text(names, top: Sequence[tuple[int, float]]) -> dict[str, float]:
+    """Completions' ``{text: logprob}`` of the alternatives, best first; of two that read alike (special tokens of
+    one name), the more likely one stays."""
+    out: dict[str, float] = {}
+    for token, logprob in top:
+        out.setdefault(names.text(token), logprob)
+    return out
 
 
 # The request field a library ``ValueError`` is about, read off the first word of its message.
