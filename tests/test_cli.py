@@ -109,7 +109,7 @@ def test_prompt_from_stdin(models, capsys, monkeypatch) -> None:
         (["--target", "not-a-zoo-name"], "known zoo models"),
         (["--dtype", "float13"], "dtype"),
         (["--num-draft-tokens", "many"], "--num-draft-tokens"),
-        (["--num-draft-tokens", "0"], "num_draft_tokens"),
+        (["--num-draft-tokens", "-1"], "num_draft_tokens"),
         (["--temperature", "-1"], "temperature"),
     ],
 )
@@ -176,3 +176,25 @@ def test_generate_processor_flags_are_applied_and_exact(models, capsys) -> None:
     _, alone, _ = run(capsys, *common, *flags, "--draft", "none")
     assert code == 0 and json.loads(spec)["tokens"] == json.loads(alone)["tokens"] != json.loads(plain)["tokens"]
     assert len(json.loads(spec)["tokens"]) == 9  # min_tokens: no EOS before the budget
+
+
+def test_demo_labels_its_texts_on_stdout(models, capsys) -> None:
+    """Redirected to a file, the demo's output still says which text is which: each label on stdout, on a line of
+    its own, before its text; the summary last."""
+    code, out, err = run(capsys, "demo", "--target", models["target"], "--draft", models["draft"], "--prompt",
+                         "def x ( y ) :", "--max-new-tokens", "6", "--num-draft-tokens", "3")
+    assert code == 0, err
+    lines = out.splitlines()
+    labels = [line for line in lines if line.startswith("=== ")]
+    assert labels == ["=== prompt ===", "=== target alone (greedy) ===", "=== speculative (greedy, draft length 3) ===",
+                      "=== summary ==="]
+    sections = {}
+    for label, start in ((line, i) for i, line in enumerate(lines) if line in labels):
+        rest = lines[start + 1:]
+        sections[label] = "\n".join(rest[:next((i for i, line in enumerate(rest) if line in labels), len(rest))])
+    assert sections["=== prompt ==="] == "def x ( y ) :"
+    assert sections["=== target alone (greedy) ==="].strip()
+    assert sections["=== target alone (greedy) ==="] == sections["=== speculative (greedy, draft length 3) ==="]
+    summary = json.loads(sections["=== summary ==="])
+    assert summary["identical_output"] is True and 1 <= summary["tokens"] <= 6
+    assert "===" not in err  # the labels are not (also) on stderr

@@ -1,28 +1,53 @@
-"""verispec: exact speculative decoding for Hugging Face causal language models."""
+"""verispec: exact speculative decoding for Hugging Face causal language models.
+
+The public names below are imported on first use (PEP 562), so that ``import verispec.cli`` (and with it
+``verispec --help``) does not import torch and transformers; ``from verispec import load`` works as usual.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .core.sampling import SamplingParams  # noqa: E402
-from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder  # noqa: E402
-from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal  # noqa: E402
-from .models import LoadError, eos_token_ids, load, zoo  # noqa: E402
-from .telemetry import GenerationStats  # noqa: E402
+# public name -> the module (relative to this package) that defines it
+_EXPORTS: dict[str, str] = {
+    "CompositeDrafter": ".drafters",
+    "Drafter": ".drafters",
+    "EarlyExitDrafter": ".drafters",
+    "GenerateOutput": ".decode",
+    "GenerationStats": ".telemetry",
+    "LoadError": ".models",
+    "ModelDrafter": ".drafters",
+    "NGramDrafter": ".drafters",
+    "NonFiniteLogitsError": ".decode",
+    "Proposal": ".drafters",
+    "SamplingParams": ".core.sampling",
+    "SpeculativeDecoder": ".decode",
+    "eos_token_ids": ".models",
+    "load": ".models",
+    "zoo": ".models",
+}
 
-__all__ = [
-    "CompositeDrafter",
-    "Drafter",
-    "EarlyExitDrafter",
-    "GenerateOutput",
-    "GenerationStats",
-    "LoadError",
-    "ModelDrafter",
-    "NGramDrafter",
-    "NonFiniteLogitsError",
-    "Proposal",
-    "SamplingParams",
-    "SpeculativeDecoder",
-    "__version__",
-    "eos_token_ids",
-    "load",
-    "zoo",
-]
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from .core.sampling import SamplingParams
+    from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder
+    from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal
+    from .models import LoadError, eos_token_ids, load, zoo
+    from .telemetry import GenerationStats
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 
 from . import __version__
-from .models import eos_token_ids
-from .serving.detokenize import TextState
+from .serving.detokenize import TextState  # plain Python: nothing here imports torch or transformers before a
+# command runs, so that --help and --version answer at once (the decoder's modules are imported inside commands)
 
 DEMO_PROMPT = (
     "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
@@ -33,7 +33,7 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
     """Load the target (and draft) named by ``args`` with the library factory; returns ``(decoder, tokenizer)``."""
     from .models import LoadError, load
 
-    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
+    gamma = _gamma_arg(args.num_draft_tokens)
     try:
         return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
                     draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
@@ -48,6 +48,44 @@ def _int_arg(value: str) -> int:
         return int(value)
     except ValueError:
         raise CliError(f"--num-draft-tokens must be an integer, 'auto' or 'heuristic', got {value!r}") from None
+
+
+# The sampling flags of each command, by their ``SamplingParams`` names (``generate`` takes the same keywords).
+GENERATE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens")
+BATCH_SAMPLING = ("temperature", "top_k", "top_p")  # the defaults of rows that give none (``JobDefaults``)
+
+
+def check_request_args(args: argparse.Namespace, sampling_names: tuple[str, ...] = ()) -> None:
+    """Refuse sampling settings and a token budget that generation would refuse, before any model loads: the
+    library's own rules (``SamplingParams``, ``validate_request``), with the model-free half of the limits (one
+    token id, no length limit); the decoder checks again against its models. Raises ``ValueError``."""
+    from .core.sampling import SamplingParams
+    from .decode.requests import ModelLimits, validate_request
+
+    sampling = SamplingParams(**{name: getattr(args, name) for name in sampling_names})
+    if args.max_new_tokens is not None:
+        validate_request(ModelLimits(vocab_size=1, input_limit=1, max_positions=None), [[0]], sampling,
+                         args.max_new_tokens, seed=getattr(args, "seed", None))
+
+
+def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
+    """Refuse what ``verispec.load`` would refuse, before any model loads: dtype, device (and, with ``here``,
+    whether this machine has it), the draft options, and the target and draft names (``here``: on this
+    machine's disk or in the zoo; ``here=False`` when Ray workers load the models elsewhere)."""
+    from .models import LoadError
+    from .models.loading import check_load_options
+
+    try:
+        check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,
+                           draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, here=here,
+                           num_draft_tokens=_gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting)
+    except LoadError as error:
+        raise CliError(str(error)) from error
+
+
+def _gamma_arg(value: str) -> int | str:
+    return value if value in ("auto", "heuristic") else _int_arg(value)
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -91,21 +129,30 @@ def generate_streamed(decoder, tokenizer, prompt_ids: list[int], out, **options)
 
 
 def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text from --prompt, --prompt-file or stdin; an empty one is refused here, before loading."""
     if args.prompt is not None:
-        return args.prompt
-    if args.prompt_file is not None:
+        text, source = args.prompt, "--prompt"
+    elif args.prompt_file is not None:
         try:
             with open(args.prompt_file, encoding="utf-8") as handle:
-                return handle.read()
+                text, source = handle.read(), f"--prompt-file {args.prompt_file}"
         except OSError as error:
             raise CliError(f"cannot read --prompt-file: {error}") from error
-    if sys.stdin.isatty():
+    elif sys.stdin.isatty():
         raise CliError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
-    return sys.stdin.read()
+    else:
+        text, source = sys.stdin.read(), "stdin"
+    if not text:
+        raise CliError(f"the prompt is empty ({source})")
+    return text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from .models import eos_token_ids
+
     prompt = read_prompt(args)
+    check_request_args(args, GENERATE_SAMPLING)
+    check_model_args(args)
     decoder, tokenizer = build_decoder(args, _log if not args.json else (lambda m: None))
     prompt_ids = encode_prompt(tokenizer, prompt, args.chat)
     started = time.perf_counter()
@@ -133,24 +180,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Run the real pair on a code prompt: target alone, then speculative; show both agree and the speed-up."""
+    """Run the real pair on a code prompt: target alone, then speculative; show both agree and the speed-up.
+    Standard output holds each text under its label, then the summary, so that it reads the same in a file."""
+    from .models import eos_token_ids
+
+    prompt = DEMO_PROMPT if args.prompt is None else args.prompt
+    if not prompt:
+        raise CliError("the prompt is empty (--prompt)")
+    check_request_args(args)
+    check_model_args(args)
     _log(f"loading target {args.target} and draft {args.draft} (first run installs and verifies them; "
          "a few minutes)")
     decoder, tokenizer = build_decoder(args)
-    prompt_ids = encode_prompt(tokenizer, args.prompt or DEMO_PROMPT, chat=False)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat=False)
     eos = eos_token_ids(tokenizer, decoder.target_model)
     common = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "eos_token_id": eos}
-    print(args.prompt or DEMO_PROMPT, end="", flush=True)
+    _label("prompt")
+    print(prompt, end="" if prompt.endswith("\n") else "\n", flush=True)
     _log("warm-up pass")
     decoder.generate([prompt_ids], max_new_tokens=4, draft=None)
-    _log("target alone (greedy):")
+    _label("target alone (greedy)")
     alone, _ = generate_streamed(decoder, tokenizer, prompt_ids, sys.stdout, draft=None, **common)
     print()
-    _log(f"speculative (greedy, draft length {decoder.num_draft_tokens}):")
+    _label(f"speculative (greedy, draft length {decoder.num_draft_tokens})")
     spec, _ = generate_streamed(decoder, tokenizer, prompt_ids, sys.stdout, **common)
     print()
     same = alone.tokens == spec.tokens
     speedup = alone.stats.total_time_s / spec.stats.total_time_s
+    _label("summary")
     print(json.dumps({
         "identical_output": same,
         "tokens": len(spec.tokens[0]),
@@ -163,6 +220,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not same:
         raise CliError("outputs differ: this is a bug, please report it with the command line above")
     return 0
+
+
+def _label(title: str) -> None:
+    """A section heading on standard output, on a line of its own (the demo's texts are read from a file too)."""
+    print(f"=== {title} ===", flush=True)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -179,6 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
         max_request_tokens=args.max_request_tokens, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout)
+    check_request_args(args)
+    check_model_args(args, here=args.ray_address is None)  # a cluster's workers load from their own disks
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, options)
     decoder, tokenizer = build_decoder(args)
@@ -198,7 +262,10 @@ def cmd_batch(args: argparse.Namespace) -> int:
     """An offline job: every row of --input generated into --output (resumable), in-process or on Ray Data."""
     from .offline import JobDefaults, run_batch
 
-    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
+    _check_batch_files(args.input, args.output)
+    check_request_args(args, BATCH_SAMPLING)
+    check_model_args(args, here=args.ray_address is None)  # a cluster's workers load from their own disks
+    gamma = _gamma_arg(args.num_draft_tokens)
     defaults = JobDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, seed=args.seed)
     summary = run_batch(args.target, args.draft, input_path=args.input, output_path=args.output, workers=args.workers,
@@ -212,6 +279,18 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_batch_files(input_path: str, output_path: str) -> None:
+    """The job's files, before the models load: --input is a file; --output is no folder and its folder exists
+    (the job reads the input, and appends to the output, only in this process)."""
+    if not os.path.isfile(input_path):
+        raise CliError(f"--input {input_path}: no such file")
+    if os.path.isdir(output_path):
+        raise CliError(f"--output {output_path}: is a folder (give a file name)")
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if not os.path.isdir(folder):
+        raise CliError(f"--output {output_path}: the folder {folder} does not exist")
+
+
 def _serve_on_ray(args: argparse.Namespace, options) -> int:
     """``serve --replicas N``: the same app on Ray Serve; each replica loads the models itself."""
     try:
@@ -220,7 +299,7 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         raise CliError(f"--replicas and --ray-address need Ray Serve (pip install 'verispec[ray]'): {error}") from error
     from .serving.config import default_model_name
 
-    gamma = args.num_draft_tokens if args.num_draft_tokens in ("auto", "heuristic") else _int_arg(args.num_draft_tokens)
+    gamma = _gamma_arg(args.num_draft_tokens)
     spec = ReplicaSpec(
         target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
         load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
@@ -309,11 +388,17 @@ def _add_sampling_args(parser: argparse.ArgumentParser, temperature_help: str) -
     parser.add_argument("--top-k", type=int, default=None)
 
 
+def _add_debug_arg(parser: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
+    """--debug before or after the command: a sub-command's copy leaves the value alone unless it is given
+    (``SUPPRESS``), so ``verispec --debug generate`` and ``verispec generate --debug`` mean the same."""
+    parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks on errors")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="verispec", description="Exact speculative decoding for Hugging Face causal language models.")
     parser.add_argument("--version", action="version", version=f"verispec {__version__}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    _add_debug_arg(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text, streamed as it is accepted")
@@ -329,12 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers': prompt and output")
     gen.add_argument("--min-tokens", type=int, default=0, help="EOS masked before this many tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_debug_arg(gen)
     gen.set_defaults(func=cmd_generate)
 
     demo = sub.add_parser("demo", help="real model pair: target alone vs speculative, identical output, speed-up")
     _add_model_args(demo, draft_default="qwen2.5-coder-0.5b")
     demo.set_defaults(max_new_tokens=64)
     demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
+    _add_debug_arg(demo)
     demo.set_defaults(func=cmd_demo)
 
     bat = sub.add_parser("batch", help="offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)")
@@ -356,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C")
     bat.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G")
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_debug_arg(bat)
     bat.set_defaults(func=cmd_batch)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
@@ -372,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
     _add_serve_security_args(srv)
     _add_ray_serve_args(srv)
+    _add_debug_arg(srv)
     srv.set_defaults(func=cmd_serve)
     return parser
 

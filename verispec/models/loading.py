@@ -14,14 +14,14 @@ import torch
 
 from .fast import int4_supported, prepack_linears, quantize_draft
 from .integrity import Progress, ZooError, say
-from .sources import load_pretrained, parse_dtype
+from .sources import check_source, load_pretrained, parse_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from ..decode import SpeculativeDecoder
 
-__all__ = ["LoadError", "check_same_tokenizer", "load", "load_model", "same_tokenizer"]
+__all__ = ["LoadError", "check_load_options", "check_same_tokenizer", "load", "load_model", "same_tokenizer"]
 
 DRAFT_QUANTS = ("int4", "int8", "none")
 CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
@@ -39,11 +39,33 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype:
         raise LoadError(str(error)) from error
 
 
-def _device(device: str | torch.device) -> torch.device:
+def _device(device: str | torch.device, here: bool = True) -> torch.device:
+    """``device`` as a torch device; with ``here``, also one this process can use (not ``cuda`` on a torch
+    built without CUDA, which would otherwise end in an ``AssertionError`` once the weights are loaded)."""
     try:
-        return torch.device(device)
+        torch_device = torch.device(device)
     except (RuntimeError, TypeError) as error:
         raise LoadError(f"unknown device {device!r}: {error}") from error
+    problem = _device_unavailable(torch_device) if here else None
+    if problem is not None:
+        raise LoadError(f"device {str(device)!r} is not available: {problem}")
+    return torch_device
+
+
+def _device_unavailable(device: torch.device) -> str | None:
+    """Why this process cannot use ``device``, or None (devices other than CUDA and MPS are left to torch)."""
+    if device.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            return (f"this torch ({torch.__version__}) was built without CUDA; use device 'cpu', or install a "
+                    "CUDA build of torch")
+        count = torch.cuda.device_count()
+        if count == 0:
+            return "torch sees no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)"
+        if device.index is not None and device.index >= count:
+            return f"torch sees {count} CUDA GPU(s), numbered from 0"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return "MPS is not available on this machine"
+    return None
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
@@ -104,6 +126,30 @@ def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progre
     return draft_model
 
 
+def check_load_options(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
+                       dtype: torch.dtype | str | None = None, draft_quant: str = "int4", cross_tokenizer: str = "text",
+                       here: bool = True, **decoder_options: Any) -> None:
+    """Raise what :func:`load` would raise for these arguments before it loads a model, without loading one:
+    the dtype, the device, the decoder options, and the target and draft names (an unknown name, a missing path,
+    a folder that is no model; a Hub id is only checked for its shape). ``here=False``: the models will be
+    loaded on other machines (Ray workers), so this machine's paths and devices are not checked."""
+    if draft_quant not in DRAFT_QUANTS:
+        raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
+    if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
+        raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
+                         f"got {cross_tokenizer!r}")
+    _dtype(dtype)
+    _device(device, here=here)
+    _check_decoder_options(decoder_options)
+    if here:
+        for name in (target, draft):
+            if name not in (None, "none", "ngram"):
+                try:
+                    check_source(name)
+                except ZooError as error:
+                    raise LoadError(f"cannot load model {name!r}: {error}") from error
+
+
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
@@ -130,19 +176,15 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
 
     Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device and a model that cannot be found or
     loaded; ``ValueError`` for a bad ``draft_quant``, ``cross_tokenizer`` or
-    ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options are checked before any model
-    is loaded.
+    ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options, the device's availability and
+    both names are checked before any model is loaded (:func:`check_load_options`).
     """
     from ..decode import SpeculativeDecoder
     from ..drafters import CrossTokenizerDrafter, IntersectionDrafter, NGramDrafter
 
-    if draft_quant not in DRAFT_QUANTS:
-        raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
-    if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
-        raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
-                         f"got {cross_tokenizer!r}")
+    check_load_options(target, draft, device=device, dtype=dtype, draft_quant=draft_quant,
+                       cross_tokenizer=cross_tokenizer, **decoder_options)
     torch_dtype, torch_device = _dtype(dtype), _device(device)
-    _check_decoder_options(decoder_options)
 
     say(progress, f"target: {target}")
     target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)

@@ -7,7 +7,8 @@ folder, or the Hugging Face Hub.
 2. an existing local path: a folder with ``config.json`` (Hugging Face layout), a ``.gguf`` file, or a folder
    holding exactly one ``.gguf``; loaded with ``local_files_only=True``, so nothing contacts a hub;
 3. a Hub id shaped ``owner/name``: ``from_pretrained`` as transformers users know it (their HF cache,
-   ``HF_HOME`` / ``HF_HUB_CACHE``, the network unless ``HF_HUB_OFFLINE=1``);
+   ``HF_HOME`` / ``HF_HUB_CACHE``, the network unless ``HF_HUB_OFFLINE=1``); when one quick request finds the
+   Hub unreachable, only the HF cache is searched (not a minute of retries per file);
 4. anything else is an error naming what was tried.
 
 GGUF weights are dequantised to the requested dtype (a plain dense model, the same numerics on every
@@ -29,7 +30,11 @@ from .integrity import Progress, ZooError, save_atomic_dir, say
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["is_hub_id", "load_pretrained", "parse_dtype"]
+__all__ = ["check_source", "is_hub_id", "load_pretrained", "parse_dtype"]
+
+# Seconds the one request that tells whether the Hub answers may take (huggingface_hub's own file requests
+# wait 10 s each and retry five times with backoff: about a minute per file without a network).
+HUB_PROBE_TIMEOUT_S = 5.0
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -174,33 +179,92 @@ def _load_hf_folder(
     return model, tokenizer
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached, in one line; None when it answers (any HTTP status) or
+    when offline mode (``HF_HUB_OFFLINE``) is on, since then nothing will be requested.
+
+    One ``HEAD`` of the endpoint through huggingface_hub's own client (so ``HF_ENDPOINT``, proxies and a
+    client factory set with ``set_client_factory`` apply), at most ``HUB_PROBE_TIMEOUT_S`` seconds, no retry."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.is_offline_mode():
+        return None
+    try:
+        get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+    except Exception as error:  # whatever the HTTP library raises (DNS, refused, timeout, proxy, TLS): no answer
+        return _one_line(error) or type(error).__name__
+    return None
+
+
 def _load_hub(
     repo_id: str, dtype: torch.dtype, progress: Progress | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``from_pretrained`` by Hub id, exactly as transformers resolves it (HF cache, then the network unless
-    offline); any failure becomes one :class:`ZooError` naming the id and where it was looked for."""
+    """``from_pretrained`` by Hub id, as transformers resolves it (HF cache, then the network unless offline),
+    except that a Hub which does not answer one quick request (:func:`hub_unreachable`) leaves the HF cache
+    only; any failure becomes one :class:`ZooError` naming the id and where it was looked for."""
     from huggingface_hub import constants
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        say(progress, f"the Hugging Face Hub ({constants.ENDPOINT}) does not answer ({unreachable}): "
+                      "looking in the local cache only")
+    local_only = unreachable is not None or constants.is_offline_mode()
     say(progress, f"loading tokenizer of {repo_id} (Hugging Face Hub id; cache {constants.HF_HUB_CACHE})")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(repo_id)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=local_only)
         say(progress, f"loading weights of {repo_id} ({_dtype_name(dtype)}) ...")
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, local_files_only=local_only)
     except (OSError, ValueError) as e:  # huggingface_hub's and transformers' lookup errors are both
+        prefix = (f"{repo_id!r} is no zoo model and no local path, and as a Hugging Face Hub id it could not be "
+                  "loaded")
+        if unreachable is not None:
+            raise ZooError(
+                f"{prefix}: the Hub ({constants.ENDPOINT}) does not answer ({unreachable}) and the local cache "
+                f"{constants.HF_HUB_CACHE} does not hold it (download it where there is a network, or set "
+                "HF_HUB_CACHE to a cache that holds it)"
+            ) from e
         searched = (
             f"only the local cache {constants.HF_HUB_CACHE} was searched, since HF_HUB_OFFLINE is set"
             if constants.is_offline_mode()
             else f"searched the Hub and the local cache {constants.HF_HUB_CACHE}"
         )
-        raise ZooError(
-            f"{repo_id!r} is no zoo model and no local path, and as a Hugging Face Hub id it could not be "
-            f"loaded ({searched}): {_one_line(e)}"
-        ) from e
+        raise ZooError(f"{prefix} ({searched}): {_one_line(e)}") from e
     return model, tokenizer
 
 
 # --------------------------------------------------------------------- dispatch
+
+
+def _source(name_or_path: str) -> tuple[str, Path]:
+    """Where ``name_or_path`` loads from, decided without reading weights or contacting anything: ``("zoo",
+    _)``, ``("folder", folder)``, ``("gguf", file)`` or ``("hub", _)``; :class:`ZooError` for a missing path, a
+    folder that is no model or a name that is none of these."""
+    from . import zoo
+
+    path = Path(name_or_path).expanduser()
+    if name_or_path in zoo.ZOO:
+        return "zoo", path
+    if path.exists():
+        if path.is_dir() and (path / "config.json").is_file():
+            return "folder", path
+        return "gguf", _gguf_in(path)
+    if is_hub_id(name_or_path):
+        return "hub", path
+    if _looks_like_path(name_or_path):
+        raise ZooError(f"path does not exist: {path}")
+    raise ZooError(
+        f"{name_or_path!r} is neither a zoo model nor an existing path nor a Hugging Face Hub id "
+        f"(owner/name); known zoo models: {', '.join(zoo.ZOO)}"
+    )
+
+
+def check_source(name_or_path: str) -> None:
+    """Raise :class:`ZooError` if :func:`load_pretrained` would refuse ``name_or_path`` before loading anything
+    (unknown name, missing path, a folder that is no model), so that a caller loading several models can refuse
+    the last one's typo before spending minutes on the first. Reads no weights and contacts nothing."""
+    _source(name_or_path)
 
 
 def load_pretrained(
@@ -227,26 +291,18 @@ def load_pretrained(
 
     torch_dtype = parse_dtype(dtype)  # before any slow work, so a typo fails fast
     cache = cache if cache is not None else zoo.cache_root()
-    path = Path(name_or_path).expanduser()
+    kind, path = _source(name_or_path)
 
-    if name_or_path in zoo.ZOO:
+    if kind == "zoo":
         entry = zoo.ZOO[name_or_path]
         gguf = zoo.resolve_gguf(entry.name, progress=progress, cache=cache)
         model, tokenizer = _load_gguf(gguf, entry.sha256, torch_dtype, cache, progress)
-    elif path.exists():
-        if path.is_dir() and (path / "config.json").is_file():
-            model, tokenizer = _load_hf_folder(path, torch_dtype, progress)
-        else:
-            model, tokenizer = _load_gguf(_gguf_in(path), None, torch_dtype, cache, progress)
-    elif is_hub_id(name_or_path):
-        model, tokenizer = _load_hub(name_or_path, torch_dtype, progress)
-    elif _looks_like_path(name_or_path):
-        raise ZooError(f"path does not exist: {path}")
+    elif kind == "folder":
+        model, tokenizer = _load_hf_folder(path, torch_dtype, progress)
+    elif kind == "gguf":
+        model, tokenizer = _load_gguf(path, None, torch_dtype, cache, progress)
     else:
-        raise ZooError(
-            f"{name_or_path!r} is neither a zoo model nor an existing path nor a Hugging Face Hub id "
-            f"(owner/name); known zoo models: {', '.join(zoo.ZOO)}"
-        )
+        model, tokenizer = _load_hub(name_or_path, torch_dtype, progress)
 
     model.eval()
     if str(device) != "cpu":
