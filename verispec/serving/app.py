@@ -51,6 +51,7 @@ from .admission import Admission
 from .config import ServerOptions
 from .detokenize import TokenBytes
 from .errors import ApiError, ErrorResponse, error_body, validation_error
+from .errors import short as _short
 from .generation import Generation, Params
 from .guard import REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
@@ -117,8 +118,7 @@ class Server:
     def parse(self, body: SamplingRequest) -> Params:
         chat = isinstance(body, ChatCompletionRequest)
         if body.model is not None and body.model != self.model_name:
-            raise ApiError(f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found", status=404)
+            raise self.unknown_model(body.model)
         choices = _prompt_count(body) * body.n
         if choices > self.options.max_choices:
             raise ApiError(f"this request asks for {choices} choices (prompts x n); this server's limit is "
@@ -206,7 +206,7 @@ class Server:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError("this model's tokenizer has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
-        plain = [{"role": m.role, "content": m.text} for m in messages]
+        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # a template may raise on its own rules (e.g. alternating roles)
@@ -267,7 +267,15 @@ class Server:
         yield "data: [DONE]\n\n"
 
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context)])
+        return ModelList(data=[self.model_card()])
+
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context)
+
+    def unknown_model(self, name: str) -> ApiError:
+        """404 for another model's name (cut to 100 characters: a client's megabyte of name is not echoed)."""
+        return ApiError(f"the model {_short(name, 100)} does not exist; this server serves {self.model_name!r}",
+                        "model", "model_not_found", status=404)
 
 
 def _prompt_count(body: SamplingRequest) -> int:
@@ -392,7 +400,14 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     async def models() -> ModelList:
         return server.models()
 
-    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining for "
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
+             responses={404: {"model": ErrorResponse, "description": "Not the served model."}})
+    async def model(model_id: str) -> Response:
+        if model_id != server.model_name:
+            return server.unknown_model(model_id).response()
+        return _json(server.model_card())
+
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health, "description": "Draining for "
                                                                                                 "shutdown."}})
     async def health() -> Response:
         draining = server.admission.draining

@@ -3,6 +3,7 @@ parsed for a request that is refused):
 
 - a request id (the client's ``X-Request-Id`` if it is a plain token, else a new one), on every response and
   in the log line of any internal error;
+- more than one ``Host`` header: 400 (RFC 9110; Starlette would read the first);
 - Bearer authentication when API keys are set, on every path except ``/health``, ``/openapi.json``, the docs
   pages and (with ``metrics_public``) ``/metrics``: 401 in OpenAI's shape. Keys are compared as SHA-256
   digests with ``secrets.compare_digest``, every key every time, so the time taken says nothing about a key;
@@ -87,6 +88,8 @@ class Guard:
         await self.app(scope, receive, send_with_id)
 
     def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
+        if len(headers.getlist("host")) > 1:  # RFC 9110 7.2: which one names the server is ambiguous
+            return ApiError("the request has more than one Host header", code="invalid_host_header")
         if self._digests and scope["path"] not in self._open and not self._authorized(headers.get("authorization")):
             missing = headers.get("authorization") is None
             return ApiError(

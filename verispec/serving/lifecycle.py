@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..models import eos_token_ids
 from .app import create_app
@@ -27,6 +29,8 @@ from .engine import Engine
 
 log = logging.getLogger("verispec.serving")
 FLUSH_TIMEOUT_S = 5.0  # after the drain: for the last responses to reach their clients
+HEADER_TIMEOUT_S = 10.0  # a connection sends a request's headers this soon after it opens or after its last response
+KEEP_ALIVE_S = 5.0  # an idle kept-alive connection is closed after this (uvicorn's default)
 _POLL_S = 0.05
 
 
@@ -60,6 +64,39 @@ class DrainingServer(uvicorn.Server):
         # Every request not finished gets its FinishEvent (reported as finish_reason "error"); the engine thread
         # ends after its current step.
         await asyncio.to_thread(self.engine.shutdown, 0 if self.force_exit else FLUSH_TIMEOUT_S)
+
+
+class HeaderDeadlineProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol (h11) with a deadline for a request's headers: a connection that opens and
+    sends nothing, or sends its headers a byte at a time, is closed after ``header_timeout`` seconds instead of
+    holding a socket for ever (uvicorn itself times out only kept-alive connections that stay silent). A request
+    whose headers have arrived is never cut, however long its body or its response takes."""
+
+    header_timeout = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._arm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_deadline()  # the next request's headers: the same deadline
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+        self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no request line and headers yet
+            self.transport.close()
 
 
 def log_config() -> dict:
@@ -102,7 +139,8 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
                             default_max_tokens=default_max_tokens, options=options)
     context, rows = app.state.verispec.max_context, engine.max_rows_per_group
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(),
-                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S)
+                            timeout_graceful_shutdown=FLUSH_TIMEOUT_S, http=HeaderDeadlineProtocol,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = DrainingServer(config, engine, options.shutdown_timeout)
     for warning in startup_warnings(options, host):
         say(warning)

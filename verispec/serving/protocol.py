@@ -351,7 +351,7 @@ class CompletionRequest(SamplingRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    role: Text
+    role: Literal[ROLES] = Field(description="system, developer (rendered as system), user, assistant or tool.")
     content: Annotated[Text | list[TextPart] | None,
                        _one_error("a message's content must be a string or a list of text parts",
                                   refine=_unsupported_parts)] = Field(
