@@ -45,7 +45,8 @@ def test_the_module_entry_point_imports_no_heavy_module(argv: list[str]) -> None
     """``python -m verispec`` as the console script runs it, measured by the interpreter's own import log."""
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "verispec", *argv], capture_output=True,
                             text=True, check=True)
-    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")]
     assert "verispec.cli" in imported
     assert _heavy(imported) == []
     assert "verispec" in result.stdout

@@ -30,7 +30,7 @@ from .integrity import Progress, ZooError, save_atomic_dir, say
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["check_source", "is_hub_id", "load_pretrained", "parse_dtype"]
+__all__ = ["check_source", "hub_unreachable", "is_hub_id", "load_pretrained", "parse_dtype"]
 
 # Seconds the one request that tells whether the Hub answers may take (huggingface_hub's own file requests
 # wait 10 s each and retry five times with backoff: about a minute per file without a network).
