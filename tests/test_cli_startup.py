@@ -152,6 +152,10 @@ def test_cuda_without_a_visible_gpu_is_one_line(no_loading, capsys, monkeypatch:
     assert "no CUDA GPU" in _one_line_error(capsys, ["generate", "--prompt", "x", "--device", "cuda"])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert "1 CUDA GPU(s)" in _one_line_error(capsys, ["generate", "--prompt", "x", "--device", "cuda:1"])
+    from verispec.models.loading import check_load_options
+
+    for device in ("cuda", "cuda:0"):  # a GPU torch sees passes
+        check_load_options("qwen2.5-coder-1.5b", "none", device=device)
 
 
 def test_a_ray_cluster_s_disks_and_devices_are_not_checked_here(no_loading, files, capsys, monkeypatch) -> None:
