@@ -169,9 +169,9 @@ def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: 
     server = LiveServer(create_app(engine, tokenizer, MODEL, max_context, eos_token_ids=eos))
     try:
         asyncio.run(run_level(server.url, prompts[:1], 1, 1, 4))  # warm-up
-        before = engine.metrics().get("draft_gate_steps", {})
+        before = engine.metrics().get("speculation", {}).get("steps_by_reason", {})
         result = asyncio.run(run_level(server.url, prompts, clients, args.requests_per_client, args.max_tokens))
-        after = engine.metrics().get("draft_gate_steps", {})
+        after = engine.metrics().get("speculation", {}).get("steps_by_reason", {})
         result["gate_steps"] = {reason: n - before.get(reason, 0) for reason, n in after.items()
                                 if n > before.get(reason, 0)}
         return result
@@ -188,7 +188,7 @@ def markdown(results: dict) -> str:
         f"mode and level (A B B A); machine: {results['machine']}.",
         f"Command: `{results['command']}`", "",
         "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
-        "| acceptance | tokens per pass | tok/s by repeat | gate steps |",
+        "| acceptance | tokens per pass | tok/s by repeat | controller steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for level in results["levels"]:
@@ -206,10 +206,10 @@ def markdown(results: dict) -> str:
                 f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} | "
                 f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('gate_steps', {}).items())) or '-'} |")
     lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**.",
-              "", "Gate steps: the draft gate's decisions over each mode's repeats, by reason (`pays`: drafted as the "
-              "cost model chose; `slower`: k = 0 for the whole batch; `measure`: one k = 0 step at a new batch size; "
-              "`probe`: drafted while closed, to re-measure; `rows`: no row wanted to draft; `unmeasured`: before any "
-              "cost was timed). The target alone has no gate. Acceptance: drafts kept over drafts made, pooled over "
+              "", "Controller steps: the speculation controller's decisions over each mode's repeats, by reason "
+              "(`pays`: a cap > 0 beat the target alone at confidence; `alone`: k = 0 for the whole batch; `explore`: "
+              "a neighbouring cap run once to measure it; `none`: no row may draft). The target alone has no "
+              "controller. Acceptance: drafts kept over drafts made, pooled over "
               "the level's requests (`-`: nothing drafted).", "",
               "![speculative / target alone by clients](serve.png)", "",
               "The plot: the pooled ratio (line) and each repeat's pair, speculative over the target alone run beside "

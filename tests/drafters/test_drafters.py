@@ -542,3 +542,27 @@ def test_fork_shares_the_weights_and_starts_without_state(name: str) -> None:
     fork.start(prompts, SamplingParams(), 512)
     again = fork.propose(3, None)
     assert torch.equal(again.draft_ids, first.draft_ids)  # its own state: what the original proposed at first
+
+
+def test_composite_feeds_its_fallbacks_backlog_in_the_catch_up() -> None:
+    """Regression: ``CompositeDrafter`` dropped its fallback's catch-up report, so mixed steps billed the backlog
+    pass as draft passes. Its ``backlog`` and ``catch_up`` are now the fallback's (nothing while every row
+    matches, when the fallback does not draft), and the proposal after a catch-up feeds no backlog."""
+    target, partial, _ = pair("llama")
+    fallback = ModelDrafter(partial)
+    drafter = CompositeDrafter(NGramDrafter(), fallback)
+    drafter.start([prompt(6, 1), prompt(5, 2)], SamplingParams(), partial.config.vocab_size)
+    assert drafter.backlog() == fallback.backlog() == (6 - 1) + (5 - 1)
+    assert drafter.catch_up() == 9 and drafter.backlog() == fallback.backlog() == 0
+    calls = fallback.calls
+    drafter.propose(2, None)
+    assert fallback.calls - calls == 2  # two draft passes, no catch-up pass
+    drafter.update([0, 0], [[3], [4]])
+    for _ in range(3):  # steps without drafts: the fallback's cache falls behind
+        drafter.update([0, 0], [[5], [6]])
+    assert drafter.backlog() == fallback.backlog() > 0
+    assert drafter.catch_up() > 0 and fallback.backlog() == 0
+    base = prompt(4, 90)
+    matching = CompositeDrafter(NGramDrafter(), ModelDrafter(partial))
+    matching.start([base * 4, (base * 4)[1:]], SamplingParams(), partial.config.vocab_size)
+    assert matching.backlog() == 0 and matching.catch_up() == 0  # every row matches: the fallback waits

@@ -231,7 +231,7 @@ def test_load_passes_decoder_options_and_dtype(code_models: dict[str, str]) -> N
         ({"device": "warp-drive"}, LoadError, "unknown device"),
         ({"draft_quant": "int2"}, ValueError, "draft_quant"),
         ({"cross_tokenizer": "bytes"}, ValueError, "cross_tokenizer"),
-        ({"num_draft_tokens": 0}, ValueError, "num_draft_tokens"),
+        ({"num_draft_tokens": -1}, ValueError, "num_draft_tokens"),
         ({"num_draft_tokens": "many"}, ValueError, "num_draft_tokens"),
         ({"temprature": 0.5}, TypeError, "temprature"),
         ({"drafter": None}, TypeError, "draft="),

@@ -53,6 +53,9 @@ PRIOR_COLUMN_COST = 0.25
 # Rows of a step whose caps were never timed are predicted with this relative spread, so the bound that makes
 # the controller look there is optimistic but finite.
 UNMEASURED_SPREAD = 0.3
+# What the drafter's pool of recent requests says of a new request's acceptance is worth at most this many of
+# its own judged drafts in the confidence bounds (requests differ: code that copies its prompt, free text).
+POOL_WORTH = 16.0
 
 
 def bucket_of(rows: int) -> int:
@@ -136,7 +139,7 @@ class _Schedule:
     """A bucket's exploration schedule."""
 
     steps: int = 0
-    due: int = 0
+    due: int = 1  # a new bucket's first step runs the target alone: every look starts from a measured cap
     interval: int = 1
 
 
@@ -175,10 +178,23 @@ class SpeculationController:
         if top == 0:
             lengths = [r.limit if r.pinned else 0 for r in rows]
             return lengths, CapDecision(0, "pinned" if pinned_columns else "none", size, label)
-        curves = [expected_tokens_curve(r.estimate.position_acceptance(r.limit), r.limit) for r in rows]
+        # Expected tokens per row at each length: the estimate, and its lower / upper bound (acceptance known
+        # from few judged drafts is uncertain too: exploring must look where it may be high).
+        # A row's estimate rests on its own judged drafts and on the pool, which speaks for the row only so far
+        # (requests differ): at most POOL_WORTH observations of it.
+        pooled = self.pool.counts.judged
+        curves = []
+        for r in rows:
+            acceptance = r.estimate.position_acceptance(r.limit)
+            own = r.estimate.counts.judged
+            spread = [Z * math.sqrt(a * (1 - a) / (self.pool.prior_weight + (own[i] if i < len(own) else 0.0)
+                                                   + min(pooled[i] if i < len(pooled) else 0.0, POOL_WORTH)))
+                      for i, a in enumerate(acceptance)]
+            curves.append([expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)],
+                                                 r.limit) for sign in (0, -1, 1)])
 
-        def tokens(cap: int) -> float:
-            return sum(curve[r.limit if r.pinned else min(r.limit, cap)] for r, curve in zip(rows, curves))
+        def tokens(cap: int, bound: int = 0) -> float:
+            return sum(curve[bound][r.limit if r.pinned else min(r.limit, cap)] for r, curve in zip(rows, curves))
 
         remaining = sum(r.remaining for r in rows) / size
         per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
@@ -191,8 +207,8 @@ class SpeculationController:
             extra = 0.0
             if columns > 0 and backlog > 0:  # paid once: spread over the steps the rows have left
                 extra = per_token * backlog / max(1.0, remaining * size / expected)
-            bounds.append((expected / (mean + extra), expected / (mean + Z * error + extra),
-                           expected / (max(mean - Z * error, 0.1 * mean) + extra)))
+            bounds.append((expected / (mean + extra), tokens(cap, 1) / (mean + Z * error + extra),
+                           tokens(cap, 2) / (max(mean - Z * error, 0.1 * mean) + extra)))
 
         schedule = self._schedules.setdefault(bucket, _Schedule())
         schedule.steps += 1
@@ -201,17 +217,18 @@ class SpeculationController:
         choice = max(confident, key=lambda c: (bounds[c][0], -c)) if confident else 0
         reason = "pays" if choice else "alone"
         if schedule.steps > schedule.due:
-            # Look next to the choice (a cap far from it is predicted from a line through measured ones, and a
-            # wrong guess there can cost several steps); in a bucket never timed, start from the prior's best.
-            measured = any(key[0] == bucket for key in self._latency)
-            near = range(top + 1) if not measured else (choice - 1, choice + 1)
-            candidates = [c for c in near if 0 <= c <= top and c != choice]
+            # Look next to the choice only: a cap far from it is predicted from a line through measured ones, and
+            # a wrong guess there can cost several steps of the target alone.
+            candidates = [c for c in (choice - 1, choice + 1) if 0 <= c <= top]
             if candidates:
                 look = max(candidates, key=lambda c: (bounds[c][2], -c))
-                if bounds[look][2] > bounds[choice][0]:
-                    promising = bounds[look][0] > bounds[choice][0]
-                    schedule.interval = 1 if promising else min(2 * schedule.interval, self.max_explore_interval)
-                    schedule.due = schedule.steps + schedule.interval
+                forced = schedule.interval >= self.max_explore_interval  # the slowest schedule still re-measures
+                explore = bounds[look][2] > bounds[choice][0] or forced
+                # Back to every other step while the neighbour may beat even the choice's optimistic bound.
+                maybe_better = explore and bounds[look][2] > bounds[choice][2]
+                schedule.interval = 1 if maybe_better else min(2 * schedule.interval, self.max_explore_interval)
+                schedule.due = schedule.steps + schedule.interval
+                if explore:
                     choice, reason = look, "explore"
         lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
         return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0], tokens(choice))
