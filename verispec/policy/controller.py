@@ -190,25 +190,34 @@ class SpeculationController:
             spread = [Z * math.sqrt(a * (1 - a) / (self.pool.prior_weight + (own[i] if i < len(own) else 0.0)
                                                    + min(pooled[i] if i < len(pooled) else 0.0, POOL_WORTH)))
                       for i, a in enumerate(acceptance)]
-            curves.append([expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)],
-                                                 r.limit) for sign in (0, -1, 1)])
+            curves.append(tuple(expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)],
+                                                      r.limit) for sign in (0, -1, 1)))
 
-        def tokens(cap: int, bound: int = 0) -> float:
-            return sum(curve[bound][r.limit if r.pinned else min(r.limit, cap)] for r, curve in zip(rows, curves))
+        def tokens(cap: int) -> tuple[float, float, float]:
+            """The batch's expected tokens at ``cap`` and its lower / upper bound: rows' errors are independent,
+            so their deviations add in quadrature (summing each row's bound would overstate the batch's)."""
+            total = low = high = 0.0
+            for r, (mean, lower, upper) in zip(rows, curves):
+                g = r.limit if r.pinned else min(r.limit, cap)
+                total, low, high = total + mean[g], low + (mean[g] - lower[g]) ** 2, high + (upper[g] - mean[g]) ** 2
+            return total, total - math.sqrt(low), total + math.sqrt(high)
 
         remaining = sum(r.remaining for r in rows) / size
         per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
+        catch_up = per_token * backlog  # seconds to feed the drafter's backlog (0 until one catch-up was timed)
         latency = self._latency_line(bucket, size, max(top, pinned_columns))
-        bounds = []  # per cap: (mean goodput, lower bound, upper bound)
+        bounds = []  # per cap: goodput (mean, lower bound, upper bound, upper bound of one step run alone)
         for cap in range(top + 1):
             columns = max(cap, pinned_columns)
             mean, error = latency[columns]
-            expected = tokens(cap)
-            extra = 0.0
-            if columns > 0 and backlog > 0:  # paid once: spread over the steps the rows have left
-                extra = per_token * backlog / max(1.0, remaining * size / expected)
-            bounds.append((expected / (mean + extra), tokens(cap, 1) / (mean + Z * error + extra),
-                           tokens(cap, 2) / (max(mean - Z * error, 0.1 * mean) + extra)))
+            expected, low, high = tokens(cap)
+            # Drafting from here on pays the catch-up once, over the steps the rows have left; a single look
+            # (exploring) pays all of it.
+            extra = catch_up / max(1.0, remaining * size / expected) if columns else 0.0
+            once = catch_up if columns else 0.0
+            fastest = max(mean - Z * error, 0.1 * mean)
+            bounds.append((expected / (mean + extra), low / (mean + Z * error + extra), high / (fastest + extra),
+                           high / (fastest + once)))
 
         schedule = self._schedules.setdefault(bucket, _Schedule())
         schedule.steps += 1
@@ -221,17 +230,18 @@ class SpeculationController:
             # a wrong guess there can cost several steps of the target alone.
             candidates = [c for c in (choice - 1, choice + 1) if 0 <= c <= top]
             if candidates:
-                look = max(candidates, key=lambda c: (bounds[c][2], -c))
-                forced = schedule.interval >= self.max_explore_interval  # the slowest schedule still re-measures
-                explore = bounds[look][2] > bounds[choice][0] or forced
+                look = max(candidates, key=lambda c: (bounds[c][3], -c))
+                # The slowest schedule still re-measures, unless the catch-up alone costs more than a step.
+                forced = schedule.interval >= self.max_explore_interval and catch_up <= latency[0][0]
+                explore = bounds[look][3] > bounds[choice][0] or forced
                 # Back to every other step while the neighbour may beat even the choice's optimistic bound.
-                maybe_better = explore and bounds[look][2] > bounds[choice][2]
+                maybe_better = explore and bounds[look][3] > bounds[choice][2]
                 schedule.interval = 1 if maybe_better else min(2 * schedule.interval, self.max_explore_interval)
                 schedule.due = schedule.steps + schedule.interval
                 if explore:
                     choice, reason = look, "explore"
         lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
-        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0], tokens(choice))
+        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0], tokens(choice)[0])
 
     def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
         """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where
