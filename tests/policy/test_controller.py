@@ -200,7 +200,8 @@ def test_the_snapshot_is_bounded_and_names_every_decision() -> None:
     snapshot = controller.snapshot()
     assert sum(snapshot["steps_by_reason"].values()) == 300
     assert set(snapshot["last_by_bucket"]) == {"1", "3-4", "17-32"}
-    assert all(d["cap"] >= 0 and d["reason"] in {"pays", "alone", "explore"} for d in snapshot["last_by_bucket"].values())
+    decisions = snapshot["last_by_bucket"].values()
+    assert all(d["cap"] >= 0 and d["reason"] in {"pays", "alone", "explore"} for d in decisions)
 
 
 def test_concurrent_callers_share_one_controller_safely() -> None:

@@ -218,8 +218,9 @@ class DecodeBatch:
         if self.controller is None or not any(limits):
             return limits, None
         # A row without an estimate (built by hand, not by ``rows_for``) cannot be weighed: it drafts its length.
-        plans = [RowPlan(limit, row.estimate or self.controller.new_estimate(), row.pinned or row.estimate is None,
-                         row.max_new_tokens - len(row.output)) for row, limit in zip(self.rows, limits)]
+        plans = [RowPlan(limit, row.estimate or self.controller.new_estimate(),
+                         row.pinned or row.estimate is None, row.max_new_tokens - len(row.output))
+                 for row, limit in zip(self.rows, limits)]
         lengths, decision = self.controller.decide(plans, self.drafter.backlog())
         self.stats.record_decision(decision.to_dict())
         if not self.stop_drafting or not decision.cap:

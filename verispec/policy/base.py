@@ -24,7 +24,8 @@ class StepRecord:
 
     def __post_init__(self) -> None:
         if len(self.row_draft_lengths) != len(self.row_accepted):
-            raise ValueError(f"{len(self.row_draft_lengths)} draft lengths for {len(self.row_accepted)} accepted counts")
+            raise ValueError(
+                f"{len(self.row_draft_lengths)} draft lengths for {len(self.row_accepted)} accepted counts")
 
     def row(self, b: int) -> StepRecord:
         """Row ``b``'s share: its own draft length and accepted count."""

@@ -14,10 +14,15 @@ that would have to add up. A drafter whose cache lags (new rows' prompts, tokens
 catch-up pass first, priced per token fed and spread over the steps the rows have left, since it is paid once.
 
 Exploitation is conservative: a cap c > 0 runs only where its goodput's lower confidence bound beats the upper
-bound of c = 0's, so drafting is never chosen on a guess. Exploration is by confidence bounds: on a schedule
-per bucket, the neighbour of the current choice with the best upper bound runs once; the schedule's interval
-doubles each time exploring finds nothing better (up to ``max_explore_interval`` steps) and returns to one
-step when it does, so the cost of looking is bounded and re-measuring continues when the load changes.
+bound of c = 0's, so drafting is never chosen on a guess. Both bounds carry the latency's standard error and the
+acceptance's (a rate known from a request's own judged drafts and, at most ``POOL_WORTH`` of them, its pool's;
+rows' errors add in quadrature). Exploration is by confidence bounds too: on a schedule per bucket, the
+neighbour of the current choice (c - 1 or c + 1) with the best upper bound runs once if that bound beats the
+choice. A look pays the drafter's whole catch-up (a draft that has been idle must first feed every token it
+missed), so under load with requests joining all the time it is rarely worth it. The schedule's interval goes
+back to one step while the neighbour might beat even the choice's upper bound, else doubles up to
+``max_explore_interval`` steps, where it re-measures whatever the bounds say (the load may have changed) unless
+the catch-up alone costs more than a step of the target alone.
 
 Rows whose tokens must not depend on timings (a seeded sampled request: with rejection sampling, its tokens
 depend on where blocks end) are *pinned*: they draft their own length whatever the cap, and the batch's
@@ -190,8 +195,9 @@ class SpeculationController:
             spread = [Z * math.sqrt(a * (1 - a) / (self.pool.prior_weight + (own[i] if i < len(own) else 0.0)
                                                    + min(pooled[i] if i < len(pooled) else 0.0, POOL_WORTH)))
                       for i, a in enumerate(acceptance)]
-            curves.append(tuple(expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)],
-                                                      r.limit) for sign in (0, -1, 1)))
+            curves.append(tuple(
+                expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)], r.limit)
+                for sign in (0, -1, 1)))
 
         def tokens(cap: int) -> tuple[float, float, float]:
             """The batch's expected tokens at ``cap`` and its lower / upper bound: rows' errors are independent,
