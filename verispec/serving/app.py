@@ -18,7 +18,8 @@ One request, step by step:
 4. **Detokenise.** A ``TextState`` per choice turns tokens into text incrementally, finds stop strings (also
    when one spans several tokens or falls inside a block of accepted drafts), holds back text that could be
    the start of a stop string or an unfinished UTF-8 character, and counts the tokens the text needs.
-5. **Respond.** Whole, or as server-sent events: one chunk per emitted piece of text, then ``data: [DONE]``.
+5. **Respond.** Whole, or as server-sent events: one chunk per emitted piece of text, then ``data: [DONE]``. A chat
+   request with ``tools`` has its text split into content and tool calls (``tools.py``), whole or as it streams.
 
 A stop string, or a client that disconnects, cancels the engine request: its row leaves the batch at the next
 step and frees its cache. Speculative decoding is invisible in the text; its telemetry comes in a ``verispec``
@@ -70,6 +71,7 @@ from .responses import (
     ModelCard,
     ModelList,
 )
+from .tools import ToolSetup, template_tools, tool_grammar, tool_setup, writes_tool_calls
 
 _ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                         "/openapi.json"})  # metric labels: any other path counts as "other"
@@ -124,7 +126,8 @@ class Server:
             raise ApiError(f"this request asks for {choices} choices (prompts x n); this server's limit is "
                            f"{self.options.max_choices} per request", "n", "invalid_value")
         self._check_characters(body)
-        prompts = self._chat_prompt(body.messages) if chat else self._completion_prompts(body.prompt)
+        tools = tool_setup(self.tokenizer, body.tools, body.tool_choice, body.parallel_tool_calls) if chat else None
+        prompts = self._chat_prompt(body.messages, tools) if chat else self._completion_prompts(body.prompt)
         longest = max(len(p) for p in prompts)
         room = self.max_context - longest
         if room < 1:
@@ -154,15 +157,23 @@ class Server:
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
             include_usage=body.stream and options is not None and bool(options.include_usage),
-            sampling_options=body.sampling_options | self._grammar(body), logprobs=body.logprobs_count,
+            sampling_options=body.sampling_options | self._grammar(body, tools), logprobs=body.logprobs_count,
             num_draft_tokens=body.verispec and body.verispec.num_draft_tokens,
-            verification=body.verispec and body.verispec.verification,
+            verification=body.verispec and body.verispec.verification, tools=tools,
         )
 
-    def _grammar(self, body: SamplingRequest) -> dict:
-        """``{"grammar": Grammar}`` for a structured-output request (compiled here, on the worker thread)."""
+    def _grammar(self, body: SamplingRequest, tools: ToolSetup | None = None) -> dict:
+        """``{"grammar": Grammar}`` for a structured-output request, or for one whose ``tool_choice`` requires a
+        call (compiled here, on the worker thread)."""
+        param = "response_format"
         try:
             spec = body.response_format and body.response_format.grammar_spec
+            calls = tools and tool_grammar(tools, self.tokenizer)
+            if calls and spec:
+                raise ApiError("'response_format' cannot be combined with a 'tool_choice' that requires a call",
+                               "response_format", "invalid_value")
+            if calls:
+                param, spec = "tools", ("lark", calls)
             if not spec:
                 return {}
             from ..core.grammar import Grammar, grammar_tokenizer
@@ -171,12 +182,14 @@ class Server:
                 self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.engine.decoder.vocab_size)
             return {"grammar": Grammar(self._grammar_tokenizer, *spec)}
         except ValueError as error:
-            raise ApiError(str(error), "response_format", "invalid_value") from error
+            raise ApiError(str(error), param, "invalid_value") from error
 
     def _check_characters(self, body: SamplingRequest) -> None:
         """Refuse, before tokenising, text too long to fit the context whatever its tokens."""
         if isinstance(body, ChatCompletionRequest):
-            param, texts = "messages", ["".join(m.role + m.text for m in body.messages)]
+            calls = [c.function.name + c.function.arguments for m in body.messages for c in m.tool_calls or ()]
+            tools = [json.dumps(t) for t in template_tools(body.tools or ())]
+            param, texts = "messages", ["".join([m.role + m.text for m in body.messages] + calls + tools)]
         else:
             param = "prompt"
             texts = [body.prompt] if isinstance(body.prompt, str) else [p for p in body.prompt if isinstance(p, str)]
@@ -202,13 +215,17 @@ class Server:
             raise ApiError("the prompt is empty after tokenisation", "prompt", "invalid_value")
         return prompts
 
-    def _chat_prompt(self, messages: list[ChatMessage]) -> list[list[int]]:
+    def _chat_prompt(self, messages: list[ChatMessage], tools: ToolSetup | None = None) -> list[list[int]]:
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError("this model's tokenizer has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
-        plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        if any(m.tool_calls for m in messages) and not writes_tool_calls(self.tokenizer):
+            raise ApiError("this model's chat template does not write an assistant message's 'tool_calls' (it has "
+                           "no tool support)", "messages", "tools_not_supported")
+        plain = [m.for_template() for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(plain, tools=list(tools.tools) if tools else None,
+                                                      add_generation_prompt=True, tokenize=False)
         except Exception as error:  # a template may raise on its own rules (e.g. alternating roles)
             raise ApiError(f"the chat template refused the messages: {error}", "messages", "invalid_value") from error
         ids = self._encode(text, add_special_tokens=False)  # the template writes its own special tokens
@@ -254,7 +271,8 @@ class Server:
                 for choice in generation.choices:
                     yield _sse(generation.chunk(choice, None, False, role=True))
             async for choice, text, finished in generation.run():
-                yield _sse(generation.chunk(choice, text, finished))
+                if (chunk := generation.chunk(choice, text, finished)) is not None:
+                    yield _sse(chunk)
             if generation.disconnected:
                 return
             if generation.params.include_usage:

@@ -29,9 +29,14 @@ from .responses import (
     CompletionLogprobs,
     CompletionResponse,
     Telemetry,
+    FunctionCall,
+    FunctionCallDelta,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from .tools import ToolCallParser, ToolSetup
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -58,6 +63,7 @@ class Params:
     logprobs: int | None = None  # None: none; N: each token's logprob and N alternatives
     num_draft_tokens: int | str | None = None  # the request's ``verispec.draft``: None is the server's
     verification: str | None = None  # the request's ``verispec.verification``: None is the server's
+    tools: ToolSetup | None = None  # chat with ``tools``: how calls are written and parsed
 
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -78,6 +84,7 @@ class Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per token received and not sent yet, if asked
     logprobs_sent: int = 0  # entries already sent (streamed), dropped from ``logprobs``
     offsets: TextOffsets | None = None  # where each token's text starts (``text_offset``), if logprobs are asked
+    tools: ToolCallParser | None = None  # the text as content and tool calls, if the request parses tool calls
 
 
 class Generation:
@@ -130,6 +137,8 @@ class Generation:
             if p.logprobs is not None:
                 choice.offsets = TextOffsets(self.server.tokenizer, self.server.token_bytes,
                                              p.prompts[choice.prompt_index])
+            if p.tools is not None:
+                choice.tools = p.tools.parser()
 
     def _poster(self, index: int) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
@@ -251,13 +260,24 @@ class Generation:
         common = {"id": self.id, "created": self.created, "model": self.server.model_name, "usage": self.usage(),
                   "verispec": self.telemetry()}
         if self.params.chat:
-            return ChatCompletionResponse(**common, choices=[
-                ChatChoice(index=c.index, message=AssistantMessage(content=c.state.text),
-                           finish_reason=c.finish_reason, stop_reason=c.state.stop, logprobs=self._logprobs(c))
-                for c in self.choices])
+            return ChatCompletionResponse(**common, choices=[self._chat_choice(c) for c in self.choices])
         return CompletionResponse(**common, choices=[
             CompletionChoice(index=c.index, text=c.state.text, finish_reason=c.finish_reason,
                              stop_reason=c.state.stop, logprobs=self._logprobs(c)) for c in self.choices])
+
+    def _chat_choice(self, choice: Choice) -> ChatChoice:
+        """The whole choice as a message: its text, or with tools its content and calls (content null when the
+        model wrote only calls)."""
+        message = AssistantMessage(content=choice.state.text)
+        if choice.tools is not None:
+            content, calls = choice.tools.feed(choice.state.text)
+            rest, more = choice.tools.finish()
+            content, calls = content + rest, calls + more
+            message = AssistantMessage(content=content or (None if calls else ""), tool_calls=[
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in calls] or None)
+        return ChatChoice(index=choice.index, message=message, finish_reason=_finish_reason(choice),
+                          stop_reason=choice.state.stop, logprobs=self._logprobs(choice))
 
     def _logprobs(self, choice: Choice) -> ChatLogprobs | CompletionLogprobs | None:
         """The logprobs of the choice's tokens not sent yet, up to the last one its text needs (none past a
@@ -291,23 +311,51 @@ class Generation:
         return CompletionLogprobs(tokens=[names.text(e.token) for e in kept], token_logprobs=[e.logprob for e in kept],
                                   top_logprobs=[_top_by_text(names, e.top) for e in kept], text_offset=starts)
 
-    def chunk(self, choice: Choice | None, text: str | None, finished: bool, role: bool = False) -> BaseModel:
-        """One streamed chunk: a piece of text for one choice, its finish, or (``choice=None``) usage."""
+    def chunk(self, choice: Choice | None, text: str | None, finished: bool, role: bool = False) -> BaseModel | None:
+        """One streamed chunk: a piece of text for one choice, its finish, or (``choice=None``) usage; None when
+        there is nothing to send (text a tool-call parser holds back)."""
         kind = ChatCompletionChunk if self.params.chat else CompletionChunk
         common: dict = {"id": self.id, "created": self.created, "model": self.server.model_name}
         if choice is None:
             return kind(**common, choices=[], usage=self.usage(), verispec=self.telemetry())
+        if self.params.chat:
+            delta = ChatDelta(role="assistant", content="") if role else self._delta(choice, text or "", finished)
+            logprobs = None if role else self._logprobs(choice)
+            if not (role or finished or delta.content or delta.tool_calls or (logprobs and logprobs.content)):
+                return None
         end: dict = {}
         if finished:
-            end = {"finish_reason": choice.finish_reason, "stop_reason": choice.state.stop}
+            end = {"finish_reason": _finish_reason(choice), "stop_reason": choice.state.stop}
             common["verispec"] = self.choice_telemetry(choice)
         if self.params.chat:
-            delta = ChatDelta(role="assistant", content="") if role else ChatDelta(content=text or None)
-            logprobs = None if role else self._logprobs(choice)
             entry: BaseModel = ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs, **end)
         else:
             entry = CompletionChoice(index=choice.index, text=text or "", logprobs=self._logprobs(choice), **end)
         return kind(**common, choices=[entry])
+
+
+    @staticmethod
+    def _delta(choice: Choice, text: str, finished: bool) -> ChatDelta:
+        """A piece of a chat choice: its text, or with tools the content and the calls that piece completed
+        (each call whole in one delta, at its place in the choice's ``tool_calls``)."""
+        if choice.tools is None:
+            return ChatDelta(content=text or None)
+        content, calls = choice.tools.feed(text)
+        if finished:
+            rest, more = choice.tools.finish()
+            content, calls = content + rest, calls + more
+        first = len(choice.tools.calls) - len(calls)
+        return ChatDelta(content=content or None, tool_calls=[
+            ToolCallDelta(index=first + i, id=call.id, type="function",
+                          function=FunctionCallDelta(name=call.name, arguments=call.arguments))
+            for i, call in enumerate(calls)] or None)
+
+
+def _finish_reason(choice: Choice) -> str | None:
+    """OpenAI's ``tool_calls`` for a choice that ended by itself after calling tools."""
+    if choice.finish_reason == "stop" and choice.tools is not None and choice.tools.calls:
+        return "tool_calls"
+    return choice.finish_reason
 
 
 def _top_by_text(names, top: Sequence[tuple[int, float]]) -> dict[str, float]:

@@ -9,6 +9,7 @@ the error shape in ``errors.py``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -195,8 +196,8 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "echo": _no_effect,
     "suffix": _no_effect,
     "ignore_eos": _no_effect,
-    "tools": _no_effect,
     "functions": _no_effect,
+    "function_call": _no_effect,
 }
 _UNSUPPORTED_FIELD = Field(None, description="Not supported: refused with HTTP 400 unless absent or a no-op value.")
 
@@ -248,8 +249,8 @@ class SamplingRequest(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
         None, description="Extension: token ids that end the output as EOS does (finish_reason 'stop').")
     ignore_eos: Any = _UNSUPPORTED_FIELD
-    tools: Any = _UNSUPPORTED_FIELD
     functions: Any = _UNSUPPORTED_FIELD
+    function_call: Any = _UNSUPPORTED_FIELD
     response_format: ResponseFormat | None = Field(
         None, description="Structured output, exact under speculation: json_object, json_schema, and the "
         "extensions regex and lark (a Lark grammar).")
@@ -338,6 +339,15 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Prompt = Field(description="Text, texts, token ids, or lists of token ids (one completion each).")
+    tools: Any = Field(None, description="Not supported here (chat only): refused with HTTP 400 unless absent or "
+                                         "empty.")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: Any) -> Any:
+        if value:
+            raise PydanticCustomError("unsupported_parameter", "'tools' is supported by /v1/chat/completions only")
+        return value
 
     @field_validator("logprobs")
     @classmethod
@@ -348,6 +358,68 @@ class CompletionRequest(SamplingRequest):
         return value
 
 
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; absent: "
+                                                                "no arguments.")
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _json_object_text(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise PydanticCustomError("invalid_value", "a tool call's 'arguments' must be a JSON object written as a "
+                                  "string")
+    return text
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Text
+    arguments: Annotated[Text, AfterValidator(_json_object_text)]
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history, as OpenAI returned it."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -356,6 +428,16 @@ class ChatMessage(BaseModel):
                        _one_error("a message's content must be a string or a list of text parts",
                                   refine=_unsupported_parts)] = Field(
         None, description="Text, or a list of text parts.")
+    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: Text | None = Field(None, description="A tool message: the call it answers.")
+    name: Text | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, value: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
+        if value and info.data.get("role") != "assistant":
+            raise PydanticCustomError("invalid_value", "only an assistant message has 'tool_calls'")
+        return value
 
     @property
     def text(self) -> str:
@@ -363,12 +445,32 @@ class ChatMessage(BaseModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: developer as system, and each call's arguments as an object
+        (templates write them with ``tojson``; a string would be written quoted)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: the messages go through the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(None, description="Overrides max_tokens.")
+    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call (the chat template must support tools).")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'auto' (default with tools), 'none', 'required' or {'type': 'function', 'function': "
+        "{'name': ...}}; 'required' and a named function constrain the arguments to the function's schema.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true).")
 
     @field_validator("logprobs")
     @classmethod

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field
 
-FinishReason = Literal["stop", "length", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "error"]
 
 
 def _finite(value: float) -> float:
@@ -96,9 +96,21 @@ class CompletionChoice(_Choice):
     logprobs: CompletionLogprobs | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="A JSON object, as text.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="The text; null when the message holds only tool calls.")
+    tool_calls: list[ToolCall] | None = Field(**_OMITTED_IF_NONE)
 
 
 class ChatChoice(_Choice):
@@ -106,9 +118,24 @@ class ChatChoice(_Choice):
     logprobs: ChatLogprobs | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = Field(**_OMITTED_IF_NONE)
+    arguments: str | None = Field(**_OMITTED_IF_NONE)
+
+
+class ToolCallDelta(BaseModel):
+    """A streamed tool call: each call comes whole (id, name and arguments) in one delta once it is complete."""
+
+    index: int = Field(description="The call's place in the choice's tool_calls.")
+    id: str | None = Field(**_OMITTED_IF_NONE)
+    type: Literal["function"] | None = Field(**_OMITTED_IF_NONE)
+    function: FunctionCallDelta | None = Field(**_OMITTED_IF_NONE)
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(**_OMITTED_IF_NONE)
     content: str | None = Field(**_OMITTED_IF_NONE)
+    tool_calls: list[ToolCallDelta] | None = Field(**_OMITTED_IF_NONE)
 
 
 class ChatChunkChoice(_Choice):
