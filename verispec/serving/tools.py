@@ -27,6 +27,7 @@ lines below.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -95,8 +96,10 @@ def template_text(tokenizer, with_tools: bool) -> str | None:
     return template
 
 
+@functools.lru_cache(maxsize=16)
 def _reads(template: str, name: str) -> bool:
-    """Whether the Jinja template reads the variable ``name`` (a word match where Jinja cannot parse it)."""
+    """Whether the Jinja template reads the variable ``name`` (a word match where Jinja cannot parse it); parsed
+    once per template."""
     import jinja2
     import jinja2.meta
 
