@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +62,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # A ``core.grammar.Grammar`` (its state follows one row's committed tokens): not part of equality or hash.
     grammar: object | None = field(default=None, compare=False)
+    # Who may share cross-request draft state with this row (the server's API key identity; None: anonymous):
+    # a suffix drafter scoped by key drafts from earlier responses of the same key only. Sampling ignores it.
+    draft_scope: Hashable | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:

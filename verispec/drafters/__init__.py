@@ -7,6 +7,7 @@ from .early_exit import EarlyExitDrafter
 from .intersection import IntersectionDrafter
 from .model import ModelDrafter
 from .ngram import NGramDrafter
+from .suffix import SuffixDrafter
 
 __all__ = ["CompositeDrafter", "CrossTokenizerDrafter", "Drafter", "EarlyExitDrafter", "IntersectionDrafter",
-           "ModelDrafter", "NGramDrafter", "Proposal", "per_row"]
+           "ModelDrafter", "NGramDrafter", "Proposal", "SuffixDrafter", "per_row"]

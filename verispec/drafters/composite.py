@@ -1,4 +1,4 @@
-"""Composite: prompt lookup where it matches, a draft model elsewhere."""
+"""Composite: a model-free lookup (prompt lookup, suffix decoding) where it finds a draft, a draft model elsewhere."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import torch
 from ..core.sampling import SamplingParams
 from .base import Drafter, Proposal, common_prefix
 from .ngram import NGramDrafter, lookup_proposal
+from .suffix import SuffixDrafter
 
 
 class CompositeDrafter(Drafter):
-    """Prompt lookup (``primary``) for rows whose context it matches, ``fallback`` (typically a model) for the
+    """A lookup (``primary``: prompt lookup, or suffix decoding, which finds a draft only where its score
+    reaches its ``min_score``) for the rows it finds a draft for, ``fallback`` (typically a model) for the
     others, in one proposal per step.
 
     Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
@@ -30,7 +32,7 @@ class CompositeDrafter(Drafter):
     keeps whatever the fallback had cached correctly. Output stays exact in every case: the target decides.
     """
 
-    def __init__(self, primary: NGramDrafter, fallback: Drafter) -> None:
+    def __init__(self, primary: NGramDrafter | SuffixDrafter, fallback: Drafter) -> None:
         self.primary, self.fallback = primary, fallback
         self._fallback_ids: list[list[int]] | None = None  # the fallback's proposal this step, per row
 
@@ -52,7 +54,7 @@ class CompositeDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """Early stops (``stop_below``) apply to the fallback's rows; a lookup's block is never cut."""
-        found = [self.primary.lookup(h, num_draft_tokens) for h in self.primary.histories]  # [] = no match
+        found = self.primary.lookups(num_draft_tokens)  # [] = no match
         lookup = [b for b, tokens in enumerate(found) if tokens]
         self.lookup_rows += len(lookup)
         if len(lookup) == len(found):
@@ -86,14 +88,14 @@ class CompositeDrafter(Drafter):
         return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
 
     def backlog(self) -> int:
-        return 0 if self._all_match() else self.fallback.backlog()  # the n-gram table keeps no cache
+        return 0 if self._all_match() else self.fallback.backlog()  # a lookup keeps no cache
 
     def catch_up(self) -> int:
         """The fallback's catch-up, unless every row matches (then it does not draft this step)."""
         return 0 if self._all_match() else self.fallback.catch_up()
 
     def _all_match(self) -> bool:
-        return all(self.primary.lookup(h, 1) for h in self.primary.histories)
+        return all(self.primary.lookups(1))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.primary.add_rows(prompts, sampling)

@@ -51,13 +51,17 @@ class NGramDrafter(Drafter):
                     return history[start + n : start + n + k]
         return []
 
+    def lookups(self, num_draft_tokens: int) -> list[list[int]]:
+        """Per row, what ``lookup`` finds ([] = no match): what the composite asks of its primary drafter."""
+        return [self.lookup(h, num_draft_tokens) for h in self.histories]
+
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.histories += [list(p) for p in prompts]
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """Lookups have no confidence to stop on: ``stop_below`` is ignored."""
-        return lookup_proposal([self.lookup(h, num_draft_tokens) for h in self.histories])
+        return lookup_proposal(self.lookups(num_draft_tokens))
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for history, tokens in zip(self.histories, new_tokens):
