@@ -38,9 +38,15 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _l
         return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
                     draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
                     cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
-                    stop_drafting=getattr(args, "stop_drafting", True))
+                    stop_drafting=getattr(args, "stop_drafting", True), **_suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
+
+
+def _suffix_options(args: argparse.Namespace) -> dict:
+    """``load``'s suffix decoding options from the command line (its cache size; serve's scope)."""
+    return {"suffix_cache_size": getattr(args, "suffix_cache_size", None),
+            "suffix_scope": getattr(args, "suffix_scope", None) or "global"}
 
 
 def _int_arg(value: str) -> int:
@@ -79,7 +85,8 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
     try:
         check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,
                            draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, here=here,
-                           num_draft_tokens=_gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting)
+                           num_draft_tokens=_gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting,
+                           **_suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
 
@@ -241,6 +248,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
         max_request_tokens=args.max_request_tokens, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout)
+    if args.suffix_scope is None:  # one tenant's answers never shape another's drafts
+        args.suffix_scope = "key" if options.api_keys else "global"
     check_request_args(args)
     check_model_args(args, here=args.ray_address is None)  # a cluster's workers load from their own disks
     if args.replicas is not None or args.ray_address is not None:
@@ -273,7 +282,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                         ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
                         draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, num_draft_tokens=gamma,
-                        stop_drafting=args.stop_drafting)
+                        stop_drafting=args.stop_drafting, **_suffix_options(args))
     _log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
@@ -304,7 +313,7 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
         load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
                       "cross_tokenizer": args.cross_tokenizer, "num_draft_tokens": gamma,
-                      "stop_drafting": args.stop_drafting},
+                      "stop_drafting": args.stop_drafting, **_suffix_options(args)},
         max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
         max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
@@ -334,7 +343,12 @@ def _add_ray_serve_args(srv: argparse.ArgumentParser) -> None:
 
 def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
-    parser.add_argument("--draft", default=draft_default, help="zoo name, folder, .gguf path, 'ngram' or 'none'")
+    parser.add_argument("--draft", default=draft_default,
+                        help="zoo name, folder, .gguf path, 'ngram', 'suffix' (suffix decoding), 'suffix+MODEL' "
+                             "(suffix decoding where it scores high, else the model) or 'none'")
+    parser.add_argument("--suffix-cache-size", type=int, default=None, metavar="N",
+                        help="with --draft suffix: earlier responses kept for drafting (all scopes together), the "
+                             "oldest evicted first (default 1024; 0: each request's own text only)")
     parser.add_argument("--num-draft-tokens", default="auto", metavar="G",
                         help="draft tokens per step: an integer, 'auto' (cost model, default) or 'heuristic'")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
@@ -458,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-context", type=int, default=None, metavar="N",
                      help="prompt + generated tokens per request (default: the model's maximum length)")
     srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    srv.add_argument("--suffix-scope", choices=["global", "key", "request"], default=None,
+                     help="with --draft suffix: whose earlier responses a request's drafts may come from: every "
+                          "request's, its API key's, or none (default: key when API keys are set, else global)")
     _add_serve_security_args(srv)
     _add_ray_serve_args(srv)
     _add_debug_arg(srv)

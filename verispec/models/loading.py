@@ -25,6 +25,22 @@ __all__ = ["LoadError", "check_load_options", "check_same_tokenizer", "load", "l
 
 DRAFT_QUANTS = ("int4", "int8", "none")
 CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
+# "suffix+MODEL": suffix decoding for the rows whose continuation scores at least this (expected tokens kept),
+# the model for the others (arctic-inference's hybrid rule, with a model drafting about 3 tokens a step)
+SUFFIX_OVER_MODEL_SCORE = 3.0
+
+
+def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
+    """``(suffix decoding?, the draft model's name or None)`` for a draft name: ``"suffix"``, ``"suffix+MODEL"``
+    or anything else (a model, ``"ngram"``, ``"none"``, None)."""
+    if draft == "suffix":
+        return True, None
+    if draft is not None and draft.startswith("suffix+"):
+        model = draft[len("suffix+"):]
+        if model in ("", "none", "ngram", "suffix"):
+            raise ValueError(f"draft {draft!r}: after 'suffix+' name a draft model")
+        return True, model
+    return False, draft
 
 
 class LoadError(ValueError):
@@ -128,7 +144,8 @@ def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progre
 
 def check_load_options(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
                        dtype: torch.dtype | str | None = None, draft_quant: str = "int4", cross_tokenizer: str = "text",
-                       here: bool = True, **decoder_options: Any) -> None:
+                       here: bool = True, suffix_cache_size: int | None = None, suffix_scope: str = "global",
+                       **decoder_options: Any) -> None:
     """Raise what :func:`load` would raise for these arguments before it loads a model, without loading one:
     the dtype, the device, the decoder options, and the target and draft names (an unknown name, a missing path,
     a folder that is no model; a Hub id is only checked for its shape). ``here=False``: the models will be
@@ -141,6 +158,9 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
     _dtype(dtype)
     _device(device, here=here)
     _check_decoder_options(decoder_options)
+    suffix, draft = split_suffix_draft(draft)
+    if suffix:
+        _check_suffix_options(suffix_cache_size, suffix_scope, here)
     if here:
         for name in (target, draft):
             if name not in (None, "none", "ngram"):
@@ -150,15 +170,31 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
                     raise LoadError(f"cannot load model {name!r}: {error}") from error
 
 
+def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> None:
+    from ..drafters.suffix import check_scope, suffix_unavailable
+
+    check_scope(scope)
+    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0):
+        raise ValueError(f"suffix_cache_size must be an integer >= 0 (earlier responses kept), got {cache_size!r}")
+    problem = suffix_unavailable() if here else None
+    if problem is not None:
+        raise LoadError(problem)
+
+
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
-         cross_tokenizer: str = "text", progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
+         cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
+         progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
     ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
     a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
     ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
-    alone). ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
+    alone). ``"suffix"`` is suffix decoding (``drafters/suffix.py``: drafts from the request's own text and from
+    earlier responses, the last ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says:
+    ``"global"``, ``"key"`` or ``"request"``); ``"suffix+MODEL"`` uses it for the rows whose continuation scores
+    at least ``SUFFIX_OVER_MODEL_SCORE`` and the draft model ``MODEL`` for the others.
+    ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
     it. ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products: its output is its
     own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4
     kernel cannot run, ``"int8"`` or ``"none"``); a lossy draft costs acceptance, never exactness, since the
@@ -183,7 +219,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     from ..drafters import CrossTokenizerDrafter, IntersectionDrafter, NGramDrafter
 
     check_load_options(target, draft, device=device, dtype=dtype, draft_quant=draft_quant,
-                       cross_tokenizer=cross_tokenizer, **decoder_options)
+                       cross_tokenizer=cross_tokenizer, suffix_cache_size=suffix_cache_size,
+                       suffix_scope=suffix_scope, **decoder_options)
+    suffix, draft = split_suffix_draft(draft)
     torch_dtype, torch_device = _dtype(dtype), _device(device)
 
     say(progress, f"target: {target}")
@@ -206,6 +244,24 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
             say(progress, f"draft: another tokenizer: it drafts the {len(drafter.shared[0])} tokens both vocabularies "
                           "share (exact)")
             draft_model = None
+    if suffix:
+        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, progress)
+        draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
     return decoder, tokenizer
+
+
+def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
+                    progress: Progress | None) -> Any:
+    """Suffix decoding, alone or (given a draft) before it: ``CompositeDrafter(suffix, draft)``."""
+    from ..drafters import CompositeDrafter, ModelDrafter
+    from ..drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter, SuffixSettings
+
+    cache_size = DEFAULT_CACHE_SIZE if cache_size is None else cache_size
+    fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
+    settings = SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE if fallback is not None else 0.0)
+    suffix = SuffixDrafter(cache_size, scope, settings)
+    say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
+                  + ("; the model drafts where its continuation scores lower" if fallback is not None else ""))
+    return suffix if fallback is None else CompositeDrafter(suffix, fallback)

@@ -54,7 +54,7 @@ from .detokenize import TokenBytes
 from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .errors import short as _short
 from .generation import Generation, Params
-from .guard import REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
+from .guard import API_KEY, REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (
     ChatCompletionRequest,
@@ -241,7 +241,7 @@ class Server:
             self._tokenizing = anyio.CapacityLimiter(1)
         try:
             params = await anyio.to_thread.run_sync(self.parse, body, limiter=self._tokenizing)
-            generation = Generation(self, params, request.scope.get(REQUEST_ID))
+            generation = Generation(self, params, request.scope.get(REQUEST_ID), request.scope.get(API_KEY))
             generation.submit()
         except ApiError as error:
             self.metrics.count_http(endpoint, error.status)

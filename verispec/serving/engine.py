@@ -52,6 +52,7 @@ class EngineRequest:
     sampling_options: Mapping[str, Any] = field(default_factory=dict)
     logprobs: int | None = None  # None: none; N: each token's logprob and the top N alternatives
     num_draft_tokens: int | str | None = None  # None: the decoder's; 0: no drafting; an int or "auto"
+    draft_scope: Hashable | None = None  # who may share cross-request draft state with it (the server: its API key)
 
 
 @dataclass
@@ -138,7 +139,8 @@ class Engine:
     def submit(self, request: EngineRequest, on_event: Callable[[TokensEvent | FinishEvent], None]) -> RequestHandle:
         """Validate and queue ``request`` (``ValueError`` if the decoder refuses it, as ``generate`` would);
         ``on_event`` is called from the engine thread, in order."""
-        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, **request.sampling_options)
+        sampling = SamplingParams(request.temperature, request.top_k, request.top_p, **request.sampling_options,
+                                  draft_scope=request.draft_scope)
         valid = validate_request(self.decoder.limits, [list(request.prompt_ids)], sampling, request.max_new_tokens,
                                  list(request.eos_token_ids), request.seed, logprobs=request.logprobs)
         key = next(self._keys)

@@ -94,8 +94,11 @@ class Generation:
     order, into this request's ``asyncio.Queue``, and ``run`` turns them into text on the event loop.
     """
 
-    def __init__(self, server: Server, params: Params, request_id: str | None = None) -> None:
-        self.server, self.params = server, params
+    def __init__(self, server: Server, params: Params, request_id: str | None = None,
+                 api_key: int | None = None) -> None:
+        """``api_key``: which configured key authorised the request (None: anonymous); drafts that draw on earlier
+        requests' answers draw on those of the same key only, where the server's suffix scope is "key"."""
+        self.server, self.params, self.api_key = server, params, api_key
         self.created = int(time.time())
         self.started = time.perf_counter()
         self.id = ("chatcmpl-" if params.chat else "cmpl-") + uuid.uuid4().hex
@@ -122,6 +125,7 @@ class Generation:
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
                     eos_token_ids=self.server.eos_token_ids, group=self.group, sampling_options=p.sampling_options,
                     logprobs=p.logprobs, num_draft_tokens=p.num_draft_tokens, verification=p.verification,
+                    draft_scope=("key", self.api_key),
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
                 submitted += 1

@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import ApiError
 
 REQUEST_ID = "verispec.request_id"  # the scope key holding the request's id
+API_KEY = "verispec.api_key"  # the scope key holding which API key authorised the request (its index), if any
 REQUEST_ID_HEADER = "x-request-id"
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -90,11 +91,14 @@ class Guard:
     def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
         if len(headers.getlist("host")) > 1:  # RFC 9110 7.2: which one names the server is ambiguous
             return ApiError("the request has more than one Host header", code="invalid_host_header")
-        if self._digests and scope["path"] not in self._open and not self._authorized(headers.get("authorization")):
-            missing = headers.get("authorization") is None
-            return ApiError(
-                "no API key given: send it as 'Authorization: Bearer <key>'" if missing else "incorrect API key",
-                code="invalid_api_key", status=401, headers={"WWW-Authenticate": "Bearer"})
+        if self._digests and scope["path"] not in self._open:
+            key = self._key(headers.get("authorization"))
+            if key is None:
+                missing = headers.get("authorization") is None
+                return ApiError(
+                    "no API key given: send it as 'Authorization: Bearer <key>'" if missing else "incorrect API key",
+                    code="invalid_api_key", status=401, headers={"WWW-Authenticate": "Bearer"})
+            scope[API_KEY] = key  # whose drafts may share state with this request's (a suffix drafter's scope)
         if scope["method"] not in _BODY_METHODS:
             return None
         if not is_json(headers.get("content-type")):
@@ -105,10 +109,12 @@ class Guard:
             return too_large(self.max_request_bytes) if length.isdigit() else ApiError("invalid Content-Length")
         return None
 
-    def _authorized(self, authorization: str | None) -> bool:
+    def _key(self, authorization: str | None) -> int | None:
+        """The index of the configured key ``authorization`` bears, or None (not a Bearer key of this server)."""
         scheme, _, key = (authorization or "").partition(" ")
         given = _digest(key.strip())
-        valid = False
-        for digest in self._digests:  # no early exit: every key is compared every time
-            valid |= secrets.compare_digest(given, digest)
-        return valid and scheme.lower() == "bearer"
+        found = None
+        for index, digest in enumerate(self._digests):  # no early exit: every key is compared every time
+            if secrets.compare_digest(given, digest):
+                found = index
+        return found if scheme.lower() == "bearer" else None
