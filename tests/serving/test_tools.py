@@ -60,24 +60,36 @@ def _valid(name: str, arguments: str) -> bool:
     return True
 
 
-def _streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str]], list[str], str]:
-    """A streamed chat completion reassembled from its deltas: content, calls, call ids, finish reason."""
-    content, calls, reason = None, {}, None
+def _streamed_choices(client, **kwargs) -> list[tuple[str | None, list[tuple[str, str]], list[str], str]]:
+    """A streamed chat completion reassembled from its deltas, per choice: content, calls, call ids, finish
+    reason."""
+    choices: dict[int, dict] = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
+            state = choices.setdefault(choice.index, {"content": None, "calls": {}, "reason": None})
             delta = choice.delta
             if delta.content:
-                content = (content or "") + delta.content
+                state["content"] = (state["content"] or "") + delta.content
             for call in delta.tool_calls or ():
-                entry = calls.setdefault(call.index, {"id": "", "name": "", "arguments": ""})
+                entry = state["calls"].setdefault(call.index, {"id": "", "name": "", "arguments": ""})
                 entry["id"] += call.id or ""
                 if call.function is not None:
                     entry["name"] += call.function.name or ""
                     entry["arguments"] += call.function.arguments or ""
-            reason = choice.finish_reason or reason
-    ordered = [calls[i] for i in sorted(calls)]
-    assert sorted(calls) == list(range(len(calls)))
-    return content, [(c["name"], c["arguments"]) for c in ordered], [c["id"] for c in ordered], reason
+            state["reason"] = choice.finish_reason or state["reason"]
+    out = []
+    for index in sorted(choices):
+        state = choices[index]
+        assert sorted(state["calls"]) == list(range(len(state["calls"])))
+        ordered = [state["calls"][i] for i in sorted(state["calls"])]
+        out.append((state["content"], [(c["name"], c["arguments"]) for c in ordered], [c["id"] for c in ordered],
+                    state["reason"]))
+    return out
+
+
+def _streamed(client, **kwargs) -> tuple[str | None, list[tuple[str, str]], list[str], str]:
+    (only,) = _streamed_choices(client, **kwargs)
+    return only
 
 
 # ---------------------------------------------------------------------------------------------- parser
@@ -148,6 +160,18 @@ def test_streamed_deltas_reassemble_to_the_same_calls(qwen, choice) -> None:
     content, calls, ids, reason = _streamed(qwen.client, **kwargs)
     assert (content, calls, reason) == (whole.message.content, _calls(whole.message), whole.finish_reason)
     assert reason == "tool_calls" and len(calls) == 1 and all(i.startswith("call_") for i in ids)
+
+
+def test_sampled_choices_stream_the_same_calls_as_whole(qwen) -> None:
+    """Several seeded choices of parallel calls: each choice's deltas reassemble to its non-streamed message (a
+    choice cut by max_tokens keeps its unfinished call as content in both)."""
+    kwargs = {"model": QWEN, "messages": ASK, "tools": TOOLS, "tool_choice": "required", "temperature": 1.0,
+              "seed": 5, "n": 3, "max_tokens": 90}
+    whole = qwen.client.chat.completions.create(**kwargs).choices
+    streamed = _streamed_choices(qwen.client, **kwargs)
+    assert [(content, calls, reason) for content, calls, _, reason in streamed] == [
+        (c.message.content, _calls(c.message), c.finish_reason) for c in whole]
+    assert any(calls for _, calls, _, _ in streamed)
 
 
 def test_tool_choice_none_parses_nothing(qwen) -> None:
