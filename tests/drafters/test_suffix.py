@@ -1,0 +1,526 @@
+"""Suffix decoding (``drafters/suffix.py``): drafts from the request's own text and from earlier responses.
+
+Exactness (greedy: token for token the target's own ``generate``, in batches of mixed prompt lengths, with EOS
+inside a block and rows joining a running engine batch; sampling: the target's law by chi-square at 1e-6), and
+what only this drafter has: responses shared by scope (a key's drafts never come from another key's answers),
+first-in-first-out eviction that bounds the trees, and its hit-rate telemetry. Each test also checks that the
+drafter drafted and that drafts were kept, so no test passes on a drafter that never proposes."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from stats.chi_square import chi2_pvalue
+from tiny_models import build, pair, prompt, reference_greedy
+
+from verispec import SpeculativeDecoder
+from verispec.core.sampling import SamplingParams, probs_from_logits
+from verispec.drafters import CompositeDrafter, ModelDrafter, SuffixDrafter
+from verispec.drafters.suffix import ResponseTrees, SuffixSettings
+from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent
+
+GREEDY = SamplingParams()
+
+
+def one_row(drafter: SuffixDrafter, text: list[int], params: SamplingParams = GREEDY, k: int = 8) -> list[int]:
+    """What ``drafter`` proposes for a new row whose text is ``text`` (the row then ends)."""
+    drafter.start([text], params, 512)
+    proposed = drafter.lookups(k)[0]
+    drafter.select_rows([])
+    return proposed
+
+
+def answer(drafter: SuffixDrafter, text: list[int], response: list[int], params: SamplingParams = GREEDY) -> None:
+    """A row that answers ``text`` with ``response`` (committed over two steps) and ends."""
+    drafter.start([text], params, 512)
+    half = len(response) // 2
+    drafter.update([0], [response[:half]])
+    drafter.update([0], [response[half:]])
+    drafter.select_rows([])
+
+
+# --- The drafter on its own ---------------------------------------------------------------------------------------
+
+
+def test_proposes_what_followed_the_longest_match_in_the_rows_own_text() -> None:
+    drafter = SuffixDrafter()
+    drafter.start([[7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3], [11, 12, 13]], GREEDY, 512)
+    proposal = drafter.propose(8, None)
+    assert proposal.draft_probs is None  # deterministic: one-hot in the acceptance ratio
+    # Row 0 matched [1, 2, 3] (3 tokens): a continuation of at most 3 tokens (max_spec_factor 1). Row 1: nothing.
+    assert proposal.draft_lengths.tolist() == [3, 0]
+    assert proposal.draft_ids[0, :3].tolist() == [4, 5, 6]
+    assert drafter.lookups(2) == [[4, 5], []]
+    assert drafter.hits == 1 and drafter.row_steps == 2 and drafter.hit_rate == 0.5
+
+
+def test_ids_the_target_cannot_emit_are_never_proposed() -> None:
+    """A prompt may hold ids past the real vocabulary (embedding padding); a continuation stops before them."""
+    drafter = SuffixDrafter()
+    drafter.start([[1, 2, 3, 600, 4, 9, 1, 2]], GREEDY, 512)
+    assert drafter.lookups(8) == [[3]]
+    drafter.start([[1, 2, 600, 4, 9, 1, 2]], GREEDY, 512)
+    assert drafter.lookups(8) == [[]] and drafter.propose(8, None).draft_lengths.tolist() == [0]
+
+
+def test_a_longer_match_earns_a_longer_draft_and_rare_branches_end_it() -> None:
+    text = list(range(1, 21))
+    drafter = SuffixDrafter()
+    assert one_row(drafter, [99] + text + [50] + text[:2], k=16) == [3, 4]  # matched 2 tokens: 2 drafted
+    assert one_row(drafter, [99] + text + [50] + text[:6], k=16) == list(range(7, 13))  # matched 6: 6 drafted
+    # After [1, 2]: 3 three times, 8 once (estimated 0.75 / 0.25); with min_token_prob 0.5 the draft stops there.
+    branching = [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 8, 0, 1, 2]
+    strict = SuffixDrafter(settings=SuffixSettings(min_token_prob=0.5, max_spec_factor=4.0))
+    assert one_row(strict, branching)[:1] == [3]
+    assert one_row(SuffixDrafter(settings=SuffixSettings(min_token_prob=0.9)), branching) == []
+
+
+def test_earlier_responses_are_drafted_from_in_the_same_scope_only() -> None:
+    question, response = [5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47]
+    follow_up = [9, 9, 40, 41, 42, 43]  # quotes the start of the earlier response
+    for scope in ("global", "key", "request"):
+        drafter = SuffixDrafter(scope=scope)
+        answer(drafter, question, response, SamplingParams(draft_scope="tenant A"))
+        same_key = one_row(drafter, follow_up, SamplingParams(draft_scope="tenant A"))
+        other_key = one_row(drafter, follow_up, SamplingParams(draft_scope="tenant B"))
+        assert same_key == ([] if scope == "request" else [44, 45, 46, 47])
+        assert other_key == ([44, 45, 46, 47] if scope == "global" else [])
+
+
+def test_sampled_rows_draft_from_their_own_text_unless_shared() -> None:
+    """A sampled row's tokens depend on its drafts: drafts from other requests would make a seed's output depend
+    on what ran before it."""
+    sampled = SamplingParams(temperature=0.8)
+    for share, expected in ((False, []), (True, [44, 45, 46, 47])):
+        drafter = SuffixDrafter(share_sampled=share)
+        answer(drafter, [5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47], sampled)  # its answer still enters the tree
+        assert one_row(drafter, [9, 9, 40, 41, 42, 43], sampled) == expected
+        assert one_row(drafter, [9, 9, 40, 41, 42, 43]) == [44, 45, 46, 47]  # greedy rows read it
+
+
+def test_rows_join_and_leave_with_their_own_text() -> None:
+    drafter = SuffixDrafter(scope="request")
+    drafter.start([[1, 2, 3, 1, 2]], GREEDY, 512)
+    drafter.add_rows([[4, 5, 6, 4, 5], [8, 9]], [GREEDY, GREEDY])
+    assert drafter.lookups(4) == [[3, 1], [6, 4], []]
+    drafter.update([0, 0, 0], [[3], [7], [8]])
+    drafter.select_rows([2, 0])  # the middle row ends; the others keep their own text
+    assert drafter.lookups(4) == [[9], [1, 2, 3]]  # [8] matched: one token; [1, 2, 3] matched: three
+
+
+def test_forks_share_the_responses_and_nothing_else() -> None:
+    drafter = SuffixDrafter()
+    fork = drafter.fork()
+    assert fork.trees is drafter.trees and fork.settings == drafter.settings
+    answer(fork, [1, 2, 3], [30, 31, 32, 33, 34, 35])
+    assert one_row(drafter, [8, 30, 31, 32]) == [33, 34, 35]
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="scope"):
+        SuffixDrafter(scope="tenant")
+    with pytest.raises(ValueError, match="cache_size"):
+        SuffixDrafter(cache_size=-1)
+    with pytest.raises(ValueError):
+        SuffixSettings(min_token_prob=1.5)
+
+
+# --- Eviction bounds the trees --------------------------------------------------------------------------------------
+
+
+def test_the_oldest_responses_are_evicted_first_and_the_trees_stay_bounded() -> None:
+    generator = torch.Generator().manual_seed(0)
+    responses = [torch.randint(1, 500, (60,), generator=generator).tolist() for _ in range(40)]
+    bounded, unbounded = SuffixDrafter(cache_size=4), SuffixDrafter(cache_size=1000)
+    memory = []
+    for i, response in enumerate(responses):
+        for drafter in (bounded, unbounded):
+            answer(drafter, [1, 2, i], response)
+        assert bounded.trees.size()["responses"] == min(i + 1, 4)
+        memory.append(bounded.trees.memory_bytes())
+    assert bounded.trees.size() == {"scopes": 1, "responses": 4, "tokens": 240}
+    assert bounded.trees.evicted == 36
+    # Memory once full stays at what four responses take, while the unbounded trees grow with every response.
+    assert max(memory[4:]) < 1.5 * memory[3]
+    assert unbounded.trees.memory_bytes() > 5 * memory[-1]
+    # The oldest went first: the last response drafts, the first no longer does.
+    assert one_row(bounded, [7] + responses[-1][:8])[:3] == responses[-1][8:11]
+    assert one_row(bounded, [7] + responses[0][:8])[:2] != responses[0][8:10]  # at most a chance one-token match
+
+
+def test_a_long_run_through_the_decoder_keeps_the_cap() -> None:
+    target = pair("llama")[0]
+    drafter = SuffixDrafter(cache_size=3)
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
+    for i in range(8):
+        decoder.generate([prompt(6, i), prompt(9, 100 + i)], max_new_tokens=12)
+        size = drafter.trees.size()
+        assert size["responses"] <= 3 and size["tokens"] <= 3 * 12
+    assert drafter.trees.evicted == 16 - 3
+
+
+def test_the_cap_counts_every_scopes_responses_together() -> None:
+    drafter = SuffixDrafter(cache_size=3, scope="key")
+    for i in range(10):
+        answer(drafter, [1, 2], [20 + i, 21, 22, 23], SamplingParams(draft_scope=("key", i)))
+        assert drafter.trees.size()["responses"] == min(i + 1, 3)
+    assert drafter.trees.size()["scopes"] == 10 and drafter.trees.evicted == 7
+    assert one_row(drafter, [5, 29, 21], SamplingParams(draft_scope=("key", 9))) == [22, 23]
+    assert one_row(drafter, [5, 20, 21], SamplingParams(draft_scope=("key", 0))) == []  # evicted
+
+
+def test_a_scope_limit_drops_the_least_recently_used_tree() -> None:
+    trees = ResponseTrees(cache_size=8, max_scopes=2)
+    drafter = SuffixDrafter(scope="key", trees=trees)
+    for key in ("a", "b", "a", "c"):
+        answer(drafter, [1, 2], [20, 21, 22, 23], SamplingParams(draft_scope=key))
+    assert trees.size()["scopes"] == 2  # "b" went: "a" was used after it
+    assert one_row(drafter, [5, 20, 21], SamplingParams(draft_scope="a")) == [22, 23]
+    assert one_row(drafter, [5, 20, 21], SamplingParams(draft_scope="b")) == []
+
+
+# --- Exactness: greedy --------------------------------------------------------------------------------------------
+
+MAX_NEW = 17  # not a multiple of the draft length
+
+
+def repetitive_prompt(length: int, seed: int) -> list[int]:
+    base = prompt(length, seed)
+    return base + base + base[: length // 2]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_output_is_the_targets_in_a_batch_of_mixed_lengths(kind: str) -> None:
+    target = pair(kind)[0]
+    prompts = [repetitive_prompt(n, seed) for n, seed in ((3, 63), (5, 40), (8, 42))]
+    drafter = SuffixDrafter()
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
+    expected = [reference_greedy(target, p, MAX_NEW) for p in prompts]
+    first = decoder.generate(prompts, max_new_tokens=MAX_NEW)
+    assert first.tokens == expected and first.finish_reasons == ["length"] * 3
+    assert first.stats.draft_tokens > 0 and first.stats.acceptance_rate > 0.0
+    # The same prompts again: the earlier answers are in the tree, so drafts come from them and are kept.
+    hits = drafter.response_hits
+    again = decoder.generate(prompts, max_new_tokens=MAX_NEW)
+    assert again.tokens == expected
+    assert drafter.response_hits > hits and again.stats.acceptance_rate > first.stats.acceptance_rate
+
+
+def test_eos_inside_an_accepted_block_ends_the_row_there() -> None:
+    target = pair("llama")[0]
+    prompts = [repetitive_prompt(5, 40), repetitive_prompt(8, 42)]
+    full = [reference_greedy(target, p, MAX_NEW) for p in prompts]
+    eos = full[0][9]  # a token the first row emits mid-way
+    drafter = SuffixDrafter()
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=6)
+    decoder.generate(prompts, max_new_tokens=MAX_NEW)  # the answers enter the tree: long blocks get accepted
+    out = decoder.generate(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    alone = decoder.generate(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos, draft=None)
+    assert out.tokens == alone.tokens and out.finish_reasons == alone.finish_reasons
+    first_eos = full[0].index(eos)
+    assert out.tokens[0] == full[0][: first_eos + 1] and out.finish_reasons[0] == "stop"
+    assert out.stats.acceptance_rate > 0.5  # the EOS came inside long accepted blocks
+
+
+def test_suffix_then_model_composite_is_exact_and_uses_both() -> None:
+    target, partial, _ = pair("llama")
+    prompts = [repetitive_prompt(n, seed) for n, seed in ((3, 63), (8, 42))] + [prompt(6, 5)]
+    drafter = CompositeDrafter(SuffixDrafter(settings=SuffixSettings(min_score=2.0)), ModelDrafter(partial))
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
+    for _ in range(2):
+        out = decoder.generate(prompts, max_new_tokens=MAX_NEW)
+        assert out.tokens == [reference_greedy(target, p, MAX_NEW) for p in prompts]
+    assert drafter.lookup_rows > 0 and drafter.fallback.calls > 0 and drafter.fallback_skipped > 0
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.finish: FinishEvent | None = None
+        self.started, self.done = threading.Event(), threading.Event()
+
+    def __call__(self, event) -> None:
+        if isinstance(event, TokensEvent):
+            self.tokens.extend(event.tokens)
+            self.started.set()
+        else:
+            self.finish = event
+            self.done.set()
+
+
+def _submit(engine: Engine, request: EngineRequest) -> _Collector:
+    collector = _Collector()
+    engine.submit(request, collector)
+    return collector
+
+
+def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
+    target = pair("qwen2")[0]
+    drafter = SuffixDrafter()
+    engine = Engine(SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4), max_batch_size=3)
+    engine.start()
+    try:
+        requests = [EngineRequest(repetitive_prompt(4 + i, 70 + i), max_new_tokens=30 + 3 * i) for i in range(5)]
+        first = _submit(engine, requests[0])
+        assert first.started.wait(60)  # running and has emitted tokens: the others join mid-run
+        rest = [_submit(engine, r) for r in requests[1:]]
+        again = None
+        for i, c in enumerate([first] + rest):
+            assert c.done.wait(120) and c.finish.reason == "length"
+            assert c.tokens == reference_greedy(target, requests[i].prompt_ids, requests[i].max_new_tokens)
+            if i == 0:
+                again = _submit(engine, requests[0])  # joins while the others run; its answer is in the tree
+        assert again.done.wait(120) and again.tokens == first.tokens
+        metrics = engine.metrics()
+        assert metrics["draft_tokens"] > 0 and metrics["accepted_tokens"] > 0
+        assert drafter.response_hits > 0
+    finally:
+        engine.shutdown()
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_after_other_requests() -> None:
+    target = pair("qwen2")[0]
+    engine = Engine(SpeculativeDecoder(target, drafter=SuffixDrafter(), num_draft_tokens=3), max_batch_size=4)
+    engine.start()
+    try:
+        request = EngineRequest(repetitive_prompt(5, 3), max_new_tokens=20, temperature=0.8, seed=7)
+        alone = _submit(engine, request)
+        assert alone.done.wait(60)
+        others = [_submit(engine, EngineRequest(repetitive_prompt(5, 3), max_new_tokens=25)) for _ in range(2)]
+        crowded = _submit(engine, request)
+        for c in others + [crowded]:
+            assert c.done.wait(60)
+        assert crowded.tokens == alone.tokens and alone.finish.stats["draft_tokens"] > 0
+        assert alone.finish.reason == crowded.finish.reason == "length" and len(alone.tokens) == 20
+    finally:
+        engine.shutdown()
+
+
+# --- Isolation through the engine: tenant B's drafts never hold what only tenant A's answers do ----------------
+
+
+class _Recording(SuffixDrafter):
+    """Records each row's text and proposal at every step."""
+
+    def start(self, prompts, sampling, vocab_size) -> None:
+        self.texts, self.keys = [], []  # SuffixDrafter.start adds the rows through add_rows
+        self.proposed: list[tuple[object, list[int], list[int]]] = getattr(self, "proposed", [])
+        super().start(prompts, sampling, vocab_size)
+
+    def add_rows(self, prompts, sampling) -> None:
+        self.texts += [list(p) for p in prompts]
+        self.keys += [p.draft_scope for p in sampling]
+        super().add_rows(prompts, sampling)
+
+    def propose(self, num_draft_tokens, uniforms, stop_below=None):
+        proposal = super().propose(num_draft_tokens, uniforms, stop_below)
+        for b, (text, key) in enumerate(zip(self.texts, self.keys)):
+            length = int(proposal.draft_lengths[b])
+            self.proposed.append((key, list(text), proposal.draft_ids[b, :length].tolist()))
+        return proposal
+
+    def update(self, num_accepted, new_tokens) -> None:
+        for text, tokens in zip(self.texts, new_tokens):
+            text.extend(tokens)
+        super().update(num_accepted, new_tokens)
+
+    def select_rows(self, rows) -> None:
+        self.texts = [self.texts[r] for r in rows]
+        self.keys = [self.keys[r] for r in rows]
+        super().select_rows(rows)
+
+
+def _continues_in(text: list[int], draft: list[int]) -> bool:
+    """Whether ``draft`` follows some occurrence, earlier in ``text``, of the token ``text`` ends with."""
+    return any(text[i] == text[-1] and text[i + 1 : i + 1 + len(draft)] == draft for i in range(len(text) - 1))
+
+
+@pytest.mark.parametrize("scope", ["key", "global"])
+def test_with_scope_key_a_tenants_drafts_never_come_from_another_tenants_answers(scope: str) -> None:
+    target = pair("qwen2")[0]
+    drafter = _Recording(scope=scope)
+    engine = Engine(SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4), max_batch_size=4)
+    engine.start()
+    try:
+        question = prompt(6, 21)
+        a = _submit(engine, EngineRequest(question, max_new_tokens=30, draft_scope="A"))
+        assert a.done.wait(60)
+        # Tenant B asks the same question: only tenant A's answer holds its continuation.
+        b = _submit(engine, EngineRequest(question, max_new_tokens=30, draft_scope="B"))
+        assert b.done.wait(60) and b.tokens == a.tokens  # drafts never change the output
+        assert a.finish.reason == b.finish.reason == "length" and len(a.tokens) == 30
+    finally:
+        engine.shutdown()
+    b_drafts = [(text, draft) for key, text, draft in drafter.proposed if key == "B" and draft]
+    foreign = [(text, draft) for text, draft in b_drafts if not _continues_in(text, draft)]
+    assert b_drafts  # B drafted (from its own text, where its answer repeats itself)
+    if scope == "key":
+        assert not foreign  # every draft B saw continues B's own text
+    else:  # the control: with one global tree, B drafts the rest of A's answer once it has begun it
+        assert foreign
+
+
+def test_the_engine_passes_each_requests_scope_to_the_drafter() -> None:
+    target = pair("qwen2")[0]
+    drafter = _Recording(scope="key")
+    engine = Engine(SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=2), max_batch_size=4)
+    engine.start()
+    try:
+        done = [_submit(engine, EngineRequest(prompt(5, i), max_new_tokens=4, draft_scope=("key", i % 2)))
+                for i in range(3)]
+        for c in done:
+            assert c.done.wait(60) and c.finish.reason == "length"
+    finally:
+        engine.shutdown()
+    assert {key for key, _, _ in drafter.proposed} == {("key", 0), ("key", 1)}
+
+
+# --- Sampling: the emitted tokens follow the target's law -----------------------------------------------------------
+# As tests/stats/test_drafter_law.py: a tiny Qwen2 over 8 tokens, two contexts in one batch of 8000 rows each, the
+# joint law of the first three tokens per context by chi-square at 1e-6 (fixed seed). With ``share_sampled`` every
+# row drafts from its own text and from the answers of the rows before it, so drafts are often long and often wrong.
+
+SMALL_VOCAB = 8
+CONTEXTS = ([1, 5, 2, 1, 5], [3, 6, 4, 7])
+ROWS_PER_CONTEXT = 8000
+NEW = 3
+
+
+def _token_law(model, context: list[int], params: SamplingParams, length: int) -> np.ndarray:
+    with torch.no_grad():
+        first = probs_from_logits(model(torch.tensor([context])).logits[0, -1], params).double().numpy()  # [V]
+    if length == 1:
+        return first
+    rest = np.stack([_token_law(model, context + [t], params, length - 1) for t in range(SMALL_VOCAB)])
+    return first.reshape((SMALL_VOCAB,) + (1,) * (length - 1)) * rest
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4)])
+def test_sampled_tokens_follow_the_target_law(settings) -> None:
+    target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
+    drafter = SuffixDrafter(share_sampled=True, settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
+    prompts = [CONTEXTS[0]] * ROWS_PER_CONTEXT + [CONTEXTS[1]] * ROWS_PER_CONTEXT
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3)
+    decoder.generate(prompts[:200], max_new_tokens=NEW, seed=5, **settings)  # earlier answers in the tree
+    out = decoder.generate(prompts, max_new_tokens=NEW, seed=11, **settings)
+    assert out.stats.draft_tokens > ROWS_PER_CONTEXT and drafter.response_hits > 0
+    assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate  # kept and rejected drafts
+    params = SamplingParams(**settings)
+    for c, context in enumerate(CONTEXTS):
+        law = _token_law(target, context, params, NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
+            counts[tuple(tokens)] += 1
+        p_value = chi2_pvalue(counts, law, min_expected=20)
+        assert p_value > 1e-6, (context, p_value)
+
+
+# --- Wiring: the factory, the command line and the server's key identity -------------------------------------------
+
+
+def _save_model(folder, seed: int) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print".split()
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("suffix-models")
+    return {"target": _save_model(root / "target", 0), "draft": _save_model(root / "draft", 1)}
+
+
+def test_load_builds_the_suffix_drafter_alone_and_before_a_model(saved) -> None:
+    from verispec import load
+
+    decoder, _ = load(saved["target"], "suffix", suffix_cache_size=7, suffix_scope="key")
+    assert isinstance(decoder.drafter, SuffixDrafter)
+    assert decoder.drafter.trees.cache_size == 7 and decoder.drafter.scope_mode == "key"
+    decoder, _ = load(saved["target"], "suffix+" + saved["draft"], draft_quant="none")
+    assert isinstance(decoder.drafter, CompositeDrafter) and isinstance(decoder.drafter.fallback, ModelDrafter)
+    assert decoder.drafter.primary.settings.min_score == 3.0 and decoder.drafter.primary.scope_mode == "global"
+
+
+def test_bad_suffix_options_are_refused_before_loading() -> None:
+    from verispec.models.loading import check_load_options
+
+    with pytest.raises(ValueError, match="after 'suffix\\+'"):
+        check_load_options("/no/such/model", "suffix+")
+    with pytest.raises(ValueError, match="scope"):
+        check_load_options("/no/such/model", "suffix", suffix_scope="everyone")
+    with pytest.raises(ValueError, match="suffix_cache_size"):
+        check_load_options("/no/such/model", "suffix", suffix_cache_size=-1)
+
+
+def test_generate_with_suffix_drafts_equals_the_target_alone(saved, capsys) -> None:
+    import json
+
+    from verispec.cli import main
+
+    common = ["generate", "--target", saved["target"], "--prompt", "def x ( y ) : return x ( y ) + x ( y",
+              "--max-new-tokens", "12", "--json", "--num-draft-tokens", "3"]
+    outputs = {}
+    for draft in ("none", "suffix", "suffix+" + saved["draft"]):
+        assert main([*common, "--draft", draft, "--suffix-cache-size", "5"]) == 0
+        outputs[draft] = json.loads(capsys.readouterr().out)
+    assert outputs["suffix"]["tokens"] == outputs["none"]["tokens"] == outputs["suffix+" + saved["draft"]]["tokens"]
+    assert outputs["suffix"]["stats"]["draft_tokens"] > 0
+
+
+def test_serve_scopes_suffix_drafts_by_key_when_keys_are_set(saved, monkeypatch) -> None:
+    from verispec import cli
+
+    monkeypatch.delenv("VERISPEC_API_KEY", raising=False)
+    seen = []
+
+    def capture(args, progress=None):
+        seen.append(cli._suffix_options(args))
+        raise cli.CliError("stop here")
+
+    monkeypatch.setattr(cli, "build_decoder", capture)
+    base = ["serve", "--target", saved["target"], "--draft", "suffix"]
+    for extra in (["--api-key", "k1"], [], ["--api-key", "k1", "--suffix-scope", "global"]):
+        assert cli.main(base + extra) == 2
+    assert [s["suffix_scope"] for s in seen] == ["key", "global", "global"]
+
+
+def test_the_guard_tells_the_app_which_key_authorised_a_request() -> None:
+    import asyncio
+
+    from verispec.serving.guard import API_KEY, Guard
+
+    seen = []
+
+    async def app(scope, receive, send) -> None:
+        seen.append(scope.get(API_KEY))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def call(key: str | None) -> None:
+        headers = [(b"host", b"localhost")] + ([(b"authorization", f"Bearer {key}".encode())] if key else [])
+        scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": headers}
+
+        async def send(message) -> None:
+            pass
+
+        await guard(scope, None, send)
+
+    guard = Guard(app, api_keys=["first", "second"], metrics_public=False, max_request_bytes=100,
+                  count=lambda path, status: None)
+    for key in ("second", "first", "wrong", None):
+        asyncio.run(call(key))
+    assert seen == [1, 0]  # the refused requests never reach the app
