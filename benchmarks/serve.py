@@ -264,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="rewrite SERVE.md and serve.png from the serve.json in --out, without measuring")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # before minutes of measuring, not after
     if args.replot:
         results = json.loads((out / "serve.json").read_text())
         (out / "SERVE.md").write_text(markdown(results))
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         if not same:
             log(f"outputs differ at {clients} clients (a bug, or a near-tie of two logits: see PITFALLS #1)")
         results["levels"].append(level)
-    results["identical_outputs"] = identical
-    (out / "serve.json").write_text(json.dumps(results, indent=2))
+        results["identical_outputs"] = identical
+        (out / "serve.json").write_text(json.dumps(results, indent=2))  # each level kept as soon as it is measured
     (out / "SERVE.md").write_text(markdown(results))
     plot(results, out / "serve.png")
     log(f"wrote {out / 'serve.json'}, {out / 'SERVE.md'} and {out / 'serve.png'}")

@@ -217,8 +217,8 @@ class SpeculationController:
             columns = max(cap, pinned_columns)
             mean, error = latency[columns]
             expected, low, high = tokens(cap)
-            # Drafting from here on pays the catch-up once, over the steps the rows have left; a single look
-            # (exploring) pays all of it.
+            # Drafting from here on pays the catch-up once, over the steps the rows have left; a look (exploring)
+            # pays all of it.
             extra = catch_up / max(1.0, remaining * size / expected) if columns else 0.0
             once = catch_up if columns else 0.0
             fastest = max(mean - Z * error, 0.1 * mean)
@@ -228,7 +228,10 @@ class SpeculationController:
         schedule = self._schedules.setdefault(bucket, _Schedule())
         schedule.steps += 1
         alone_high = bounds[0][2]
-        confident = [c for c in range(1, top + 1) if bounds[c][1] > alone_high]
+        # Only caps timed in this bucket can be chosen with confidence: a line through two noisy points may be
+        # flat, and a cap read off it would look free.
+        timed = {c for b, c in self._latency if b == bucket}
+        confident = [c for c in range(1, top + 1) if max(c, pinned_columns) in timed and bounds[c][1] > alone_high]
         choice = max(confident, key=lambda c: (bounds[c][0], -c)) if confident else 0
         reason = "pays" if choice else "alone"
         if schedule.steps > schedule.due:
@@ -251,8 +254,10 @@ class SpeculationController:
 
     def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
         """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where
-        timed, else on the least-squares line through the bucket's measured columns (one measured: the prior
-        column cost; none: a unit scale, since only ratios between caps matter then)."""
+        timed; else on the least-squares line through the bucket's measured columns; with one measured column,
+        at the relative cost of draft columns in the nearest smaller bucket that measured two (a larger batch
+        pays relatively more for its columns, so that guess is optimistic, never absurd), or the prior column
+        cost; with none, a unit scale (only ratios between caps matter then)."""
         known = {c: stats.predict(rows) for (b, c), stats in self._latency.items() if b == bucket}
         if len(known) >= 2:
             xs, ys = list(known), [m for m, _ in known.values()]
@@ -262,11 +267,22 @@ class SpeculationController:
             line = lambda c: max(my + slope * (c - mx), min(ys))  # noqa: E731
         elif known:
             (c0, (m0, _)), = known.items()
-            base = m0 / (1 + PRIOR_COLUMN_COST * c0)
-            line = lambda c: base * (1 + PRIOR_COLUMN_COST * c)  # noqa: E731
+            column = self._column_cost(bucket)
+            base = m0 / (1 + column * c0)
+            line = lambda c: base * (1 + column * c)  # noqa: E731
         else:
             line = lambda c: 1.0 + PRIOR_COLUMN_COST * c  # noqa: E731
         return [known[c] if c in known else (line(c), UNMEASURED_SPREAD * line(c)) for c in range(top + 1)]
+
+    def _column_cost(self, bucket: int) -> float:
+        """A draft column's cost relative to a step of the target alone, from the nearest smaller bucket that
+        timed both (its measured caps' slope over its c = 0 latency); the prior when none did."""
+        for smaller in range(bucket - 1, -1, -1):
+            known = {c: stats.predict(1 << smaller)[0] for (b, c), stats in self._latency.items() if b == smaller}
+            if 0 in known and len(known) >= 2:
+                slopes = [(y - known[0]) / c for c, y in known.items() if c > 0]
+                return max(sum(slopes) / len(slopes) / known[0], PRIOR_COLUMN_COST)
+        return PRIOR_COLUMN_COST
 
     def stop_threshold(self, rows: int, cap: int, tokens: float) -> float:
         """Where a confidence-aware drafter may end a row's block early: once the draft's own probability of
