@@ -3,9 +3,10 @@ that makes a call certain, and the parser that turns the model's text into ``too
 
 Formats, chosen from the tokenizer's chat template:
 
-- **Hermes** (Qwen2.5, Qwen2.5-Coder, Qwen3, Hermes 2 / 3, ...): the template takes ``tools`` and writes each call
-  as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (tool results come back in
-  ``<tool_response>`` tags, which the template writes itself).
+- **Hermes**, the format of Qwen2.5's template (tested with it): the template takes ``tools`` and writes each
+  call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (tool results come back in
+  ``<tool_response>`` tags, which the template writes itself). Any template that reads ``tools`` and writes
+  ``<tool_call>`` is read this way.
 
 A template that never reads ``tools`` has no tool support (its prompt could not show the functions): a request
 with ``tools`` is refused with a 400 (``code: "tools_not_supported"``), as is one whose template takes tools in a
