@@ -77,7 +77,8 @@ class SuffixSettings:
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 1:
-            raise ValueError(f"max_depth and max_spec_tokens must be >= 1, got {self.max_depth}, {self.max_spec_tokens}")
+            raise ValueError(f"max_depth and max_spec_tokens must be >= 1, got {self.max_depth}, "
+                             f"{self.max_spec_tokens}")
         if self.max_spec_factor < 0 or not 0.0 <= self.min_token_prob <= 1.0 or self.min_score < 0:
             raise ValueError("max_spec_factor and min_score must be >= 0 and min_token_prob in [0, 1]")
 

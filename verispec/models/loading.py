@@ -184,7 +184,8 @@ def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> Non
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
-         progress: Progress | None = None, **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
+         progress: Progress | None = None,
+         **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
     ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
