@@ -17,6 +17,7 @@ from transformers import (
 )
 
 from verispec.drafters import ModelDrafter, Proposal
+from verispec.policy import CapDecision, SpeculationController, bucket_label, bucket_of
 
 VOCAB = 512
 KINDS = ("gpt2", "llama", "qwen2")
@@ -91,3 +92,19 @@ class ConfidentDrafter(ModelDrafter):
         if proposal.draft_lengths is not None:
             self.short_blocks += int((proposal.draft_lengths < num_draft_tokens).sum())
         return proposal
+
+
+class AlwaysDraft(SpeculationController):
+    """A controller that lets every row draft its full length (a tiny random draft rarely pays, and this test
+    is about thresholds, not the cap), with step latencies that make each column cost half a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for rows in (1, 2):
+            for columns in range(13):
+                self.observe_step(rows, columns, 1.0 + 0.5 * columns)
+
+    def decide(self, rows, backlog=0):
+        lengths = [r.limit for r in rows]
+        size = len(rows)
+        return lengths, CapDecision(max(lengths), "pays", size, bucket_label(bucket_of(size)), tokens=float(size))

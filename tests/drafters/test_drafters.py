@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import KINDS, ConfidentDrafter, build, pair, prompt, reference_greedy
+from tiny_models import KINDS, AlwaysDraft, ConfidentDrafter, build, pair, prompt, reference_greedy
 
 from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams
@@ -464,14 +464,13 @@ class StopRecording(Recording):
 
 
 def test_early_stops_work_for_the_composite_fallback_by_default() -> None:
-    """Defaults (auto draft length, early stops on): the composite's model fallback gets the cost model's
+    """Defaults (auto draft length, early stops on): the composite's model fallback gets the controller's
     thresholds and cuts blocks with them, and the output stays exact."""
     target, partial, _ = pair("llama")
     fallback = StopRecording(ModelDrafter(partial))
     decoder = SpeculativeDecoder(target, drafter=CompositeDrafter(NGramDrafter(), fallback))
+    decoder.controller = AlwaysDraft()
     prompts = [prompt(6, 7), prompt(5, 8)]  # random prompts: lookup rarely matches, the fallback drafts
-    decoder.generate(prompts, max_new_tokens=8)  # measure costs: the thresholds need them
-    fallback.thresholds.clear()
     out = decoder.generate(prompts, max_new_tokens=30)
     assert out.tokens == [reference_greedy(target, p, 30) for p in prompts]
     assert any(t is not None and max(t) > 0 for t in fallback.thresholds), fallback.thresholds
@@ -550,16 +549,16 @@ def test_composite_feeds_its_fallbacks_backlog_in_the_catch_up() -> None:
     matches, when the fallback does not draft), and the proposal after a catch-up feeds no backlog."""
     target, partial, _ = pair("llama")
     fallback = ModelDrafter(partial)
-    drafter = CompositeDrafter(NGramDrafter(), fallback)
-    drafter.start([prompt(6, 1), prompt(5, 2)], SamplingParams(), partial.config.vocab_size)
+    drafter = CompositeDrafter(NGramDrafter(max_ngram=3, min_ngram=3), fallback)  # no trigram repeats below
+    drafter.start([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11]], SamplingParams(), partial.config.vocab_size)
     assert drafter.backlog() == fallback.backlog() == (6 - 1) + (5 - 1)
     assert drafter.catch_up() == 9 and drafter.backlog() == fallback.backlog() == 0
     calls = fallback.calls
     drafter.propose(2, None)
     assert fallback.calls - calls == 2  # two draft passes, no catch-up pass
-    drafter.update([0, 0], [[3], [4]])
-    for _ in range(3):  # steps without drafts: the fallback's cache falls behind
-        drafter.update([0, 0], [[5], [6]])
+    drafter.update([0, 0], [[20], [30]])
+    for t in range(3):  # steps without drafts: the fallback's cache falls behind
+        drafter.update([0, 0], [[21 + t], [31 + t]])
     assert drafter.backlog() == fallback.backlog() > 0
     assert drafter.catch_up() > 0 and fallback.backlog() == 0
     base = prompt(4, 90)

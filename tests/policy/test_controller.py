@@ -79,7 +79,7 @@ def run(controller: SpeculationController, machine: Machine, rows: int, acceptan
 
 
 def run_served(controller: SpeculationController, machine: Machine, rows: int, acceptance: float, steps: int,
-               rng: random.Random, prompt: int = 100, output: int = 48, catch_up_per_token: float = 0.004
+               rng: random.Random, prompt: int = 100, output: int = 48, catch_up_per_token: float = 0.01
                ) -> tuple[float, float, list[int]]:
     """A served batch: each request emits ``output`` tokens and is replaced by a new one whose ``prompt`` the
     draft has not seen; steps without drafts leave the draft behind by a token per row. A step that drafts

@@ -200,3 +200,25 @@ def test_decoder_accepts_a_policy_instance_and_per_call_override() -> None:
     fixed = decoder.generate([prompt(5, 1)], max_new_tokens=25, num_draft_tokens=1)  # a call's maximum
     assert fixed.tokens == out.tokens
     assert len(fixed.stats.draft_length_steps) <= 2 and fixed.stats.num_draft_tokens == "1"
+
+
+def test_seeded_sampled_rows_are_pinned_reproducible_and_never_stopped_by_timings() -> None:
+    """A seeded sampled request's tokens depend on where its blocks end, so its lengths must not depend on
+    timings: its rows are pinned (the heuristic schedule in place of "auto", whatever the controller's cap) and
+    get no timing-dependent early stops; the same seed gives the same tokens."""
+    target, partial, _ = pair("llama")
+    decoder = SpeculativeDecoder(target, partial)  # "auto", early stops on
+    seen: list[list[float] | None] = []
+    propose = decoder.drafter.propose
+
+    def spy(num_draft_tokens, uniforms, stop_below=None):
+        seen.append(None if stop_below is None else list(stop_below))
+        return propose(num_draft_tokens, uniforms, stop_below)
+
+    decoder.drafter.propose = spy
+    prompts = [prompt(6, 7), prompt(3, 8)]
+    first = decoder.generate(prompts, max_new_tokens=12, temperature=0.8, seed=5)
+    again = decoder.generate(prompts, max_new_tokens=12, temperature=0.8, seed=5)
+    assert first.tokens == again.tokens
+    assert first.stats.draft_tokens > 0 and first.stats.num_draft_tokens == "heuristic"
+    assert seen and all(s is None or set(s) == {0.0} for s in seen)

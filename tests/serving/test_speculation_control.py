@@ -5,6 +5,19 @@ from __future__ import annotations
 
 import pytest
 from serving_support import MODEL, extra, post
+from tiny_models import AlwaysDraft
+
+
+@pytest.fixture
+def drafting(live):
+    """The live server's decoder under a controller that lets every row draft its request's maximum: whether
+    drafting pays these tiny models is the real controller's call (tests/policy/test_controller.py), and these
+    tests are about what a request's own length means."""
+    controller, live.decoder.controller = live.decoder.controller, AlwaysDraft()
+    try:
+        yield live
+    finally:
+        live.decoder.controller = controller
 
 PROMPT = "def x ( y ) : return the cat + the dog"
 
@@ -22,7 +35,8 @@ def _telemetry(live, draft, stream: bool = False, **options) -> tuple[str, dict]
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_draft_off_fixed_and_auto_give_the_same_text(live, stream) -> None:
+def test_draft_off_fixed_and_auto_give_the_same_text(drafting, stream) -> None:
+    live = drafting
     off_text, off = _telemetry(live, "off", stream)
     assert off["draft_tokens"] == 0 and off["tokens_per_target_pass"] == pytest.approx(1.0)
     two_text, two = _telemetry(live, 2, stream)
@@ -49,7 +63,8 @@ def test_bad_speculation_options_are_refused(live, options) -> None:
     assert response.json()["error"]["param"] == "verispec"
 
 
-def test_library_draft_off_per_call(live) -> None:
+def test_library_draft_off_per_call(drafting) -> None:
+    live = drafting
     prompt_ids = live.tokenizer(PROMPT)["input_ids"]
     off = live.decoder.generate([prompt_ids], max_new_tokens=8, draft=None)
     on = live.decoder.generate([prompt_ids], max_new_tokens=8, num_draft_tokens=3)

@@ -58,6 +58,8 @@ PRIOR_COLUMN_COST = 0.25
 # Rows of a step whose caps were never timed are predicted with this relative spread, so the bound that makes
 # the controller look there is optimistic but finite.
 UNMEASURED_SPREAD = 0.3
+# ... and with this one when read off another bucket's measured cost per draft column.
+TRANSFERRED_SPREAD = 0.1
 # What the drafter's pool of recent requests says of a new request's acceptance is worth at most this many of
 # its own judged drafts in the confidence bounds (requests differ: code that copies its prompt, free text).
 POOL_WORTH = 16.0
@@ -212,18 +214,16 @@ class SpeculationController:
         per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
         catch_up = per_token * backlog  # seconds to feed the drafter's backlog (0 until one catch-up was timed)
         latency = self._latency_line(bucket, size, max(top, pinned_columns))
-        bounds = []  # per cap: goodput (mean, lower bound, upper bound, upper bound of one step run alone)
+        bounds = []  # per cap: goodput (mean, lower bound, upper bound)
         for cap in range(top + 1):
             columns = max(cap, pinned_columns)
             mean, error = latency[columns]
             expected, low, high = tokens(cap)
-            # Drafting from here on pays the catch-up once, over the steps the rows have left; a look (exploring)
-            # pays all of it.
+            # Drafting from here on pays the catch-up once, over the steps the rows have left (so does a look
+            # that turns out well, which drafting then continues).
             extra = catch_up / max(1.0, remaining * size / expected) if columns else 0.0
-            once = catch_up if columns else 0.0
             fastest = max(mean - Z * error, 0.1 * mean)
-            bounds.append((expected / (mean + extra), low / (mean + Z * error + extra), high / (fastest + extra),
-                           high / (fastest + once)))
+            bounds.append((expected / (mean + extra), low / (mean + Z * error + extra), high / (fastest + extra)))
 
         schedule = self._schedules.setdefault(bucket, _Schedule())
         schedule.steps += 1
@@ -235,16 +235,16 @@ class SpeculationController:
         choice = max(confident, key=lambda c: (bounds[c][0], -c)) if confident else 0
         reason = "pays" if choice else "alone"
         if schedule.steps > schedule.due:
-            # Look next to the choice only: a cap far from it is predicted from a line through measured ones, and
-            # a wrong guess there can cost several steps of the target alone.
+            # Look next to the choice: a cap far from it is predicted from a line through measured ones, and a
+            # wrong guess there can cost several steps of the target alone.
             candidates = [c for c in (choice - 1, choice + 1) if 0 <= c <= top]
             if candidates:
-                look = max(candidates, key=lambda c: (bounds[c][3], -c))
+                look = max(candidates, key=lambda c: (bounds[c][2], -c))
                 # The slowest schedule still re-measures, unless the catch-up alone costs more than a step.
                 forced = schedule.interval >= self.max_explore_interval and catch_up <= latency[0][0]
-                explore = bounds[look][3] > bounds[choice][0] or forced
+                explore = bounds[look][2] > bounds[choice][0] or forced
                 # Back to every other step while the neighbour may beat even the choice's optimistic bound.
-                maybe_better = explore and bounds[look][3] > bounds[choice][2]
+                maybe_better = explore and bounds[look][2] > bounds[choice][2]
                 schedule.interval = 1 if maybe_better else min(2 * schedule.interval, self.max_explore_interval)
                 schedule.due = schedule.steps + schedule.interval
                 if explore:
@@ -259,6 +259,7 @@ class SpeculationController:
         pays relatively more for its columns, so that guess is optimistic, never absurd), or the prior column
         cost; with none, a unit scale (only ratios between caps matter then)."""
         known = {c: stats.predict(rows) for (b, c), stats in self._latency.items() if b == bucket}
+        spread = UNMEASURED_SPREAD
         if len(known) >= 2:
             xs, ys = list(known), [m for m, _ in known.values()]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -267,22 +268,23 @@ class SpeculationController:
             line = lambda c: max(my + slope * (c - mx), min(ys))  # noqa: E731
         elif known:
             (c0, (m0, _)), = known.items()
-            column = self._column_cost(bucket)
+            column, transferred = self._column_cost(bucket)
             base = m0 / (1 + column * c0)
             line = lambda c: base * (1 + column * c)  # noqa: E731
+            spread = TRANSFERRED_SPREAD if transferred else spread
         else:
             line = lambda c: 1.0 + PRIOR_COLUMN_COST * c  # noqa: E731
-        return [known[c] if c in known else (line(c), UNMEASURED_SPREAD * line(c)) for c in range(top + 1)]
+        return [known[c] if c in known else (line(c), spread * line(c)) for c in range(top + 1)]
 
-    def _column_cost(self, bucket: int) -> float:
+    def _column_cost(self, bucket: int) -> tuple[float, bool]:
         """A draft column's cost relative to a step of the target alone, from the nearest smaller bucket that
-        timed both (its measured caps' slope over its c = 0 latency); the prior when none did."""
+        timed both (its measured caps' slope over its c = 0 latency), and whether it was; else the prior."""
         for smaller in range(bucket - 1, -1, -1):
             known = {c: stats.predict(1 << smaller)[0] for (b, c), stats in self._latency.items() if b == smaller}
             if 0 in known and len(known) >= 2:
                 slopes = [(y - known[0]) / c for c, y in known.items() if c > 0]
-                return max(sum(slopes) / len(slopes) / known[0], PRIOR_COLUMN_COST)
-        return PRIOR_COLUMN_COST
+                return max(sum(slopes) / len(slopes) / known[0], PRIOR_COLUMN_COST), True
+        return PRIOR_COLUMN_COST, False
 
     def stop_threshold(self, rows: int, cap: int, tokens: float) -> float:
         """Where a confidence-aware drafter may end a row's block early: once the draft's own probability of
