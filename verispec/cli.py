@@ -350,7 +350,8 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                         help="with --draft suffix: earlier responses kept for drafting (all scopes together), the "
                              "oldest evicted first (default 1024; 0: each request's own text only)")
     parser.add_argument("--num-draft-tokens", default="auto", metavar="G",
-                        help="draft tokens per step: an integer, 'auto' (cost model, default) or 'heuristic'")
+                        help="most draft tokens per step: an integer (exact; 0 never drafts), 'auto' (the speculation "
+                             "controller chooses up to 12, default) or 'heuristic'")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",
@@ -362,7 +363,7 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                              "vocabularies share")
     parser.add_argument("--stop-drafting", action=argparse.BooleanOptionalAction, default=True,
                         help="with --num-draft-tokens auto and a draft model: end a block early once the draft's "
-                             "own confidence in it is below the cost model's threshold (default: on)")
+                             "own confidence in it is below the controller's threshold (default: on)")
     parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
 
 

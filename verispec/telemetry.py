@@ -93,7 +93,7 @@ class GenerationStats:
     @property
     def conditional_acceptance(self) -> list[float]:
         """[j] = P(draft at block position j kept | every draft before it was kept): the per-position rates
-        that the cost model (``verispec.policy``) uses. Drafts after a rejection are never judged."""
+        that the acceptance estimates (``verispec.policy``) use. Drafts after a rejection are never judged."""
         return [a / n if n else 0.0 for a, n in zip(self.position_accepted, self.position_judged)]
 
     @property

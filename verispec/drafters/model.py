@@ -45,7 +45,8 @@ class ModelDrafter(Drafter):
     never runs on its own last draft token and skipping it would leave a gap in its cache. Pending tokens are
     fed at the start of the next proposal, and so are the tokens of steps without drafts. A new row's whole
     prompt is pending too: it is prefilled (on its own) by the first proposal after it joined, so a request
-    that joins while the draft gate keeps the draft off, and leaves before it opens, costs no draft pass.
+    that joins while the speculation controller keeps the draft off, and leaves before it drafts, costs no draft
+    pass.
     """
 
     # Pending tokens a row holds between steps that draft (its last token, or its last draft and the bonus):
