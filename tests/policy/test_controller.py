@@ -46,6 +46,17 @@ MACHINES = {
 }
 
 
+def kept_drafts(lengths: list[int], acceptance: float, rng: random.Random) -> list[int]:
+    """Per row, how many of its ``lengths`` drafts the target keeps, each with probability ``acceptance``."""
+    kept = []
+    for length in lengths:
+        n = 0
+        while n < length and rng.random() < acceptance:
+            n += 1
+        kept.append(n)
+    return kept
+
+
 def oracle(machine: Machine, rows: int, acceptance: float, top: int = 12) -> tuple[int, float]:
     """The best fixed cap and its goodput (expected tokens per second) under the true parameters."""
     rates = [rows * expected_tokens(acceptance, c) / machine.mean(rows, c) for c in range(top + 1)]
@@ -62,12 +73,7 @@ def run(controller: SpeculationController, machine: Machine, rows: int, acceptan
     for _ in range(steps):
         plans = [RowPlan(limit, estimate, remaining=200) for estimate in estimates]
         lengths, decision = controller.decide(plans)
-        kept = []
-        for length in lengths:
-            n = 0
-            while n < length and rng.random() < acceptance:
-                n += 1
-            kept.append(n)
+        kept = kept_drafts(lengths, acceptance, rng)
         columns = max(lengths)
         latency = machine.latency(rows, columns, rng)
         controller.observe_step(rows, columns, latency)
@@ -95,12 +101,7 @@ def run_served(controller: SpeculationController, machine: Machine, rows: int, a
         if columns:
             catch_up = (backlog, backlog * catch_up_per_token)
             backlog = 0
-        kept = []
-        for length in lengths:
-            n = 0
-            while n < length and rng.random() < acceptance:
-                n += 1
-            kept.append(n)
+        kept = kept_drafts(lengths, acceptance, rng)
         latency = machine.latency(rows, columns, rng)
         controller.observe_step(rows, columns, latency, catch_up if catch_up and catch_up[0] else None)
         controller.observe_rows([(e, n, k) for e, n, k in zip(estimates, lengths, kept) if n])

@@ -48,6 +48,7 @@ class CompositeDrafter(Drafter):
         self.primary.start(prompts, sampling, vocab_size)
         self.fallback.start(prompts, sampling, vocab_size)
         self._fallback_ids = None
+        self._matched: bool | None = None  # _all_match's answer for the current histories
         self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
         self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
 
@@ -95,13 +96,19 @@ class CompositeDrafter(Drafter):
         return 0 if self._all_match() else self.fallback.catch_up()
 
     def _all_match(self) -> bool:
-        return all(self.primary.lookups(1))
+        """Whether every row's context has a lookup match: asked by ``backlog`` and ``catch_up`` at each step,
+        so it is kept until the histories change (a lookup scans a row's whole history)."""
+        if self._matched is None:
+            self._matched = all(self.primary.lookups(1))
+        return self._matched
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
+        self._matched = None
         self.primary.add_rows(prompts, sampling)
         self.fallback.add_rows(prompts, sampling)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        self._matched = None
         self.primary.update(num_accepted, new_tokens)
         if self._fallback_ids is None:  # the fallback did not propose this step
             self.fallback.update([0] * len(new_tokens), new_tokens)
@@ -114,6 +121,7 @@ class CompositeDrafter(Drafter):
         self._fallback_ids = None
 
     def select_rows(self, rows: list[int]) -> None:
+        self._matched = None
         self.primary.select_rows(rows)
         self.fallback.select_rows(rows)
 

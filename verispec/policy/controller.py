@@ -215,10 +215,12 @@ class SpeculationController:
         catch_up = per_token * backlog  # seconds to feed the drafter's backlog (0 until one catch-up was timed)
         latency = self._latency_line(bucket, size, max(top, pinned_columns))
         bounds = []  # per cap: goodput (mean, lower bound, upper bound)
+        batch_tokens = []  # per cap: the batch's expected tokens
         for cap in range(top + 1):
             columns = max(cap, pinned_columns)
             mean, error = latency[columns]
             expected, low, high = tokens(cap)
+            batch_tokens.append(expected)
             # Drafting from here on pays the catch-up once, over the steps the rows have left (so does a look
             # that turns out well, which drafting then continues).
             extra = catch_up / max(1.0, remaining * size / expected) if columns else 0.0
@@ -250,7 +252,8 @@ class SpeculationController:
                 if explore:
                     choice, reason = look, "explore"
         lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
-        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0], tokens(choice)[0])
+        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0],
+                                    batch_tokens[choice])
 
     def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
         """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where
