@@ -207,9 +207,9 @@ class SpeculativeDecoder:
                 policy = HeuristicGamma()
         rows = request.rows(policy, keys, on_tokens)
         controller = self.controller_for(draft)
+        verification = check_verification(self.verification if verification is None else verification)
         for row in rows:
-            row.estimate, row.pinned = controller.new_estimate(), pinned
-            row.verification = check_verification(self.verification if verification is None else verification)
+            row.estimate, row.pinned, row.verification = controller.new_estimate(), pinned, verification
         return rows
 
     def new_batch(self, drafter: Drafter | None, controller: SpeculationController | None = None, *,
