@@ -55,6 +55,7 @@ def test_the_module_entry_point_imports_no_heavy_module(argv: list[str]) -> None
 @pytest.fixture
 def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to load a model fails the test."""
+    from verispec import factory
     from verispec.models import loading, sources
 
     def refuse(*args, **kwargs):
@@ -62,6 +63,7 @@ def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(loading, "load_pretrained", refuse)
     monkeypatch.setattr(loading, "load_model", refuse)
+    monkeypatch.setattr(factory, "load_model", refuse)
     monkeypatch.setattr(sources, "load_pretrained", refuse)
 
 
@@ -152,7 +154,7 @@ def test_cuda_without_a_visible_gpu_is_one_line(no_loading, capsys, monkeypatch:
     assert "no CUDA GPU" in _one_line_error(capsys, ["generate", "--prompt", "x", "--device", "cuda"])
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert "1 CUDA GPU(s)" in _one_line_error(capsys, ["generate", "--prompt", "x", "--device", "cuda:1"])
-    from verispec.models.loading import check_load_options
+    from verispec.factory import check_load_options
 
     for device in ("cuda", "cuda:0"):  # a GPU torch sees passes
         check_load_options("qwen2.5-coder-1.5b", "none", device=device)
@@ -164,15 +166,15 @@ def test_a_ray_cluster_s_disks_and_devices_are_not_checked_here(no_loading, file
     from types import SimpleNamespace
 
     import verispec.offline
-    from verispec.models import loading
+    from verispec import factory
 
-    real, here = loading.check_load_options, []
+    real, here = factory.check_load_options, []
 
     def spy(*args, **kwargs):
         here.append(kwargs["here"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(loading, "check_load_options", spy)
+    monkeypatch.setattr(factory, "check_load_options", spy)
     monkeypatch.setattr(verispec.offline, "run_batch",
                         lambda *args, **kwargs: SimpleNamespace(written=1, skipped=0, errors=0, rows=1))
     argv = ["batch", "--input", files["rows"], "--output", files["out"], "--target", files["missing"]]

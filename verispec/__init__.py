@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "SamplingParams": ".core.sampling",
     "SpeculativeDecoder": ".decode",
     "eos_token_ids": ".models",
-    "load": ".models",
+    "load": ".factory",
     "zoo": ".models",
 }
 
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from .core.sampling import SamplingParams
     from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder
     from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal
-    from .models import LoadError, eos_token_ids, load, zoo
+    from .factory import load
+    from .models import LoadError, eos_token_ids, zoo
     from .telemetry import GenerationStats
 
 

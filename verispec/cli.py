@@ -31,7 +31,8 @@ def _log(message: str) -> None:
 
 def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = _log):
     """Load the target (and draft) named by ``args`` with the library factory; returns ``(decoder, tokenizer)``."""
-    from .models import LoadError, load
+    from .factory import load
+    from .models import LoadError
 
     gamma = _gamma_arg(args.num_draft_tokens)
     try:
@@ -80,7 +81,7 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
     whether this machine has it), the draft options, and the target and draft names (``here``: on this
     machine's disk or in the zoo; ``here=False`` when Ray workers load the models elsewhere)."""
     from .models import LoadError
-    from .models.loading import check_load_options
+    from .factory import check_load_options
 
     try:
         check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,

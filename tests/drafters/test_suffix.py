@@ -456,7 +456,7 @@ def test_load_builds_the_suffix_drafter_alone_and_before_a_model(saved) -> None:
 
 
 def test_bad_suffix_options_are_refused_before_loading() -> None:
-    from verispec.models.loading import check_load_options
+    from verispec.factory import check_load_options
 
     with pytest.raises(ValueError, match="after 'suffix\\+'"):
         check_load_options("/no/such/model", "suffix+")

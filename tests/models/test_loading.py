@@ -1,4 +1,4 @@
-"""Loading by path and Hub id (verispec.models.sources), the factory ``verispec.load`` (verispec.models.loading)
+"""Loading by path and Hub id (verispec.models.sources), the factory ``verispec.load`` (verispec.factory)
 and EOS ids (verispec.models.eos), on tiny random-weight models saved in the test: no downloads, and the Hub
 is only ever a cache folder the test fills, with HF_HUB_OFFLINE=1."""
 
@@ -245,9 +245,21 @@ def test_bad_options_fail_before_loading_anything(code_models: dict[str, str], k
     assert msgs == []
 
 
+def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
+    """Refuse tokenizers that map text differently (``load`` pairs such a draft through text instead): the
+    message names how many tokens differ."""
+    target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t))
+    raise LoadError(
+        f"target and draft tokenizers differ ({len(target_tokenizer)} vs {len(draft_tokenizer)} tokens, "
+        f"{len(differing)} map differently, e.g. {differing[:3]}); pick a draft from the same model family"
+    )
+
+
 def test_unknown_name_is_a_load_error_and_another_tokenizer_drafts_through_text(code_models: dict[str, str]) -> None:
     from verispec.drafters import CrossTokenizerDrafter, IntersectionDrafter
-    from verispec.models.loading import check_same_tokenizer
 
     with pytest.raises(LoadError) as error:
         verispec.load("no-such-model")

@@ -114,7 +114,7 @@ def serve_qwen_style(model_dirs: tuple[str, str], **decoder_options):
     import openai
     from serving_support import LiveServer
 
-    from verispec.models import load
+    from verispec.factory import load
     from verispec.serving.app import create_app
     from verispec.serving.engine import Engine
 

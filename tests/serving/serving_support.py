@@ -133,7 +133,7 @@ def serve_tiny(model_dirs: tuple[str, str], *, options=None, max_batch_size: int
     ``verispec serve``."""
     import openai
 
-    from verispec.models import load
+    from verispec.factory import load
     from verispec.serving.app import create_app
     from verispec.serving.engine import Engine
 

@@ -16,7 +16,8 @@ from typing import Any
 from ..core.sampling import SamplingParams
 from ..core.streams import row_seed
 from ..decode import Row, SpeculativeDecoder, validate_request
-from ..models import eos_token_ids, load
+from ..factory import load
+from ..models import eos_token_ids
 from ..serving.detokenize import TextState
 from ..telemetry import GenerationStats
 from .store import INDEX_FIELD

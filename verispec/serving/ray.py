@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import ray
 from ray import serve
 
-from ..models import load
+from ..factory import load
 from .config import ServerOptions
 from .lifecycle import build_app
 

@@ -1,0 +1,193 @@
+"""Build a decoder from model names: the one factory the library, the CLI, the server and offline jobs share.
+
+``load(target, draft)`` accepts zoo names, Hugging Face model folders, ``.gguf`` files and Hub ids
+(``owner/name``; see ``models.sources``), and applies the CPU fast paths (pre-packed target, int4 draft) that the
+benchmarks measure. It assembles models, drafters, policies and the decoder, so it sits above all of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .decode import SpeculativeDecoder
+from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
+from .models.fast import int4_supported, prepack_linears, quantize_draft
+from .models.integrity import Progress, ZooError, say
+from .models.loading import LoadError, load_model, parse_device, parse_model_dtype, same_tokenizer
+from .models.sources import check_source
+from .policy import make_gamma_policy
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["LoadError", "check_load_options", "load", "split_suffix_draft"]
+
+DRAFT_QUANTS = ("int4", "int8", "none")
+CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
+# "suffix+MODEL": suffix decoding for the rows whose continuation scores at least this (expected tokens kept),
+# the model for the others (arctic-inference's hybrid rule, with a model drafting about 3 tokens a step)
+SUFFIX_OVER_MODEL_SCORE = 3.0
+
+
+def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
+    """``(suffix decoding?, the draft model's name or None)`` for a draft name: ``"suffix"``, ``"suffix+MODEL"``
+    or anything else (a model, ``"ngram"``, ``"none"``, None)."""
+    if draft == "suffix":
+        return True, None
+    if draft is not None and draft.startswith("suffix+"):
+        model = draft[len("suffix+"):]
+        if model in ("", "none", "ngram", "suffix"):
+            raise ValueError(f"draft {draft!r}: after 'suffix+' name a draft model")
+        return True, model
+    return False, draft
+
+
+def _check_decoder_options(options: dict[str, Any]) -> None:
+    """Refuse bad ``SpeculativeDecoder`` options before minutes of loading, not after."""
+    reserved = {"target_model", "draft_model", "drafter"} & options.keys()
+    if reserved:
+        raise TypeError(f"load() chooses {', '.join(sorted(reserved))} itself: name the draft with `draft=`")
+    try:
+        inspect.signature(SpeculativeDecoder).bind_partial(None, **options)
+    except TypeError as error:
+        raise TypeError(f"unknown SpeculativeDecoder option: {error}") from None
+    if "num_draft_tokens" in options:
+        make_gamma_policy(options["num_draft_tokens"])  # raises ValueError for a bad value
+
+
+def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progress | None) -> PreTrainedModel:
+    """The draft as the decoder will run it: quantised on a CPU (int4 where ATen's kernel can run, else int8),
+    else pre-packed where that is supported."""
+    on_cpu = next(draft_model.parameters()).device.type == "cpu"
+    if on_cpu and draft_quant != "none":
+        bits = 4 if draft_quant == "int4" and int4_supported(draft_model) else 8
+        say(progress, f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
+        return quantize_draft(draft_model, bits=bits)
+    if prepack_linears(draft_model):
+        say(progress, "draft: linear layers pre-packed for this CPU (same dtype)")
+    return draft_model
+
+
+def check_load_options(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
+                       dtype: torch.dtype | str | None = None, draft_quant: str = "int4", cross_tokenizer: str = "text",
+                       here: bool = True, suffix_cache_size: int | None = None, suffix_scope: str = "global",
+                       **decoder_options: Any) -> None:
+    """Raise what :func:`load` would raise for these arguments before it loads a model, without loading one:
+    the dtype, the device, the decoder options, and the target and draft names (an unknown name, a missing path,
+    a folder that is no model; a Hub id is only checked for its shape). ``here=False``: the models will be
+    loaded on other machines (Ray workers), so this machine's paths and devices are not checked."""
+    if draft_quant not in DRAFT_QUANTS:
+        raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
+    if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
+        raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
+                         f"got {cross_tokenizer!r}")
+    parse_model_dtype(dtype)
+    parse_device(device, here=here)
+    _check_decoder_options(decoder_options)
+    suffix, draft = split_suffix_draft(draft)
+    if suffix:
+        _check_suffix_options(suffix_cache_size, suffix_scope, here)
+    if here:
+        for name in (target, draft):
+            if name not in (None, "none", "ngram"):
+                try:
+                    check_source(name)
+                except ZooError as error:
+                    raise LoadError(f"cannot load model {name!r}: {error}") from error
+
+
+def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> None:
+    from .drafters.suffix import check_scope, suffix_unavailable
+
+    check_scope(scope)
+    if cache_size is not None and (isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 0):
+        raise ValueError(f"suffix_cache_size must be an integer >= 0 (earlier responses kept), got {cache_size!r}")
+    problem = suffix_unavailable() if here else None
+    if problem is not None:
+        raise LoadError(problem)
+
+
+def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
+         dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
+         cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
+         progress: Progress | None = None,
+         **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
+    """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
+
+    ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
+    a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
+    ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
+    alone). ``"suffix"`` is suffix decoding (``drafters/suffix.py``: drafts from the request's own text and from
+    earlier responses, the last ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says:
+    ``"global"``, ``"key"`` or ``"request"``); ``"suffix+MODEL"`` uses it for the rows whose continuation scores
+    at least ``SUFFIX_OVER_MODEL_SCORE`` and the draft model ``MODEL`` for the others.
+    ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
+    it. ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products: its output is its
+    own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4
+    kernel cannot run, ``"int8"`` or ``"none"``); a lossy draft costs acceptance, never exactness, since the
+    target decides every token. ``progress(message)`` receives one line per loading step.
+    ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``, ``vocab_size``,
+    default ``len(tokenizer)``).
+
+    ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
+    ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
+
+    A draft whose tokenizer differs from the target's drafts as ``cross_tokenizer`` says: ``"text"`` through a
+    ``CrossTokenizerDrafter`` (its greedy text re-tokenised for the target, verified as one-hot drafts) or
+    ``"intersection"`` through an ``IntersectionDrafter`` (its distribution restricted to the tokens both
+    vocabularies share); both exact, greedy and sampled. ``benchmarks/BLOCK_CROSS.md`` compares them.
+
+    Raises ``LoadError`` (a ``ValueError``) for a bad dtype or device and a model that cannot be found or
+    loaded; ``ValueError`` for a bad ``draft_quant``, ``cross_tokenizer`` or
+    ``num_draft_tokens``, ``TypeError`` for an unknown decoder option. Options, the device's availability and
+    both names are checked before any model is loaded (:func:`check_load_options`).
+    """
+    check_load_options(target, draft, device=device, dtype=dtype, draft_quant=draft_quant,
+                       cross_tokenizer=cross_tokenizer, suffix_cache_size=suffix_cache_size,
+                       suffix_scope=suffix_scope, **decoder_options)
+    suffix, draft = split_suffix_draft(draft)
+    torch_dtype, torch_device = parse_model_dtype(dtype), parse_device(device)
+
+    say(progress, f"target: {target}")
+    target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
+    if fast and prepack_linears(target_model):
+        say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
+    drafter, draft_model = None, None
+    if draft == "ngram":
+        drafter = NGramDrafter()
+    elif draft not in (None, "none"):
+        say(progress, f"draft: {draft}")
+        draft_model, draft_tokenizer = load_model(draft, torch_dtype, torch_device, progress)
+        if fast:
+            draft_model = _fast_draft(draft_model, draft_quant, progress)
+        if not same_tokenizer(tokenizer, draft_tokenizer) and cross_tokenizer == "text":
+            say(progress, "draft: another tokenizer: its text is re-tokenised for the target (one-hot drafts, exact)")
+            drafter, draft_model = CrossTokenizerDrafter(draft_model, draft_tokenizer, tokenizer), None
+        elif not same_tokenizer(tokenizer, draft_tokenizer):
+            drafter = IntersectionDrafter(draft_model, draft_tokenizer, tokenizer)
+            say(progress, f"draft: another tokenizer: it drafts the {len(drafter.shared[0])} tokens both vocabularies "
+                          "share (exact)")
+            draft_model = None
+    if suffix:
+        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, progress)
+        draft_model = None
+    decoder_options.setdefault("vocab_size", len(tokenizer))
+    decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
+    return decoder, tokenizer
+
+
+def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
+                    progress: Progress | None) -> Any:
+    """Suffix decoding, alone or (given a draft) before it: ``CompositeDrafter(suffix, draft)``."""
+    from .drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter, SuffixSettings
+
+    cache_size = DEFAULT_CACHE_SIZE if cache_size is None else cache_size
+    fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
+    settings = SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE if fallback is not None else 0.0)
+    suffix = SuffixDrafter(cache_size, scope, settings)
+    say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
+                  + ("; the model drafts where its continuation scores lower" if fallback is not None else ""))
+    return suffix if fallback is None else CompositeDrafter(suffix, fallback)
