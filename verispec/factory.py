@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .decode import SpeculativeDecoder
+from .decode.calibrate import CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.integrity import Progress, ZooError, say
@@ -113,7 +114,7 @@ def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> Non
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
-         progress: Progress | None = None,
+         progress: Progress | None = None, calibrate: bool = True,
          **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
@@ -129,6 +130,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4
     kernel cannot run, ``"int8"`` or ``"none"``); a lossy draft costs acceptance, never exactness, since the
     target decides every token. ``progress(message)`` receives one line per loading step.
+    ``calibrate`` (on by default): time a few short greedy steps at several draft lengths before returning
+    (``decode/calibrate.py``, seconds on a CPU), so that the first call already knows whether drafting pays.
     ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``, ``vocab_size``,
     default ``len(tokenizer)``).
 
@@ -176,6 +179,12 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
+    if calibrate and decoder.drafter is not None:
+        say(progress, "calibrating: timing a few steps at draft lengths 0-8 (so the first call is priced)")
+        report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
+        if report.step_seconds:
+            say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "
+                          + ", ".join(f"{k} drafts {t:.2f}" for k, t in report.tokens_per_step.items()))
     return decoder, tokenizer
 
 

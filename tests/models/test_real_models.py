@@ -56,9 +56,11 @@ def test_qwen_pair_through_the_factory_equals_transformers() -> None:
     eos = verispec.eos_token_ids(tokenizer, target)
     assert tokenizer.convert_ids_to_tokens(eos) == ["<|endoftext|>", "<|im_end|>"]  # what generation_config.json lists
     ids = tokenizer(CODE_PROMPT)["input_ids"]
-    reference = hf_greedy(target, ids, 24, eos)
+    reference = hf_greedy(target, ids, 48, eos)
     del target  # one fp32 copy of the target at a time
     decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
-    out = decoder.generate([ids], max_new_tokens=24, eos_token_id=eos)
+    out = decoder.generate([ids], max_new_tokens=48, eos_token_id=eos)
     assert out.tokens[0] == reference
     assert out.stats.acceptance_rate > 0.6
+    # The first call on a fresh pair already speculates: load's calibration priced the draft lengths.
+    assert len(out.tokens[0]) / (out.stats.target_calls - 1) >= 2.0, out.stats.draft_length_steps
