@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable
 
 from . import __version__
-from .serving.detokenize import TextState  # plain Python: nothing here imports torch or transformers before a
-# command runs, so that --help and --version answer at once (the decoder's modules are imported inside commands)
+# plain Python: nothing here imports torch or transformers before a command runs, so that --help and --version
+# answer at once (the decoder's modules are imported inside commands)
+from .text import ChatTemplateError, TextState, chat_prompt_ids
 
 DEMO_PROMPT = (
     "def merge_sorted(left: list[int], right: list[int]) -> list[int]:\n"
@@ -98,9 +99,10 @@ def _gamma_arg(value: str) -> int | str:
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
-        messages = [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        try:
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+        except ChatTemplateError as error:
+            raise CliError(f"--chat: {error}") from error
     else:
         ids = tokenizer(text)["input_ids"]
     if not ids:

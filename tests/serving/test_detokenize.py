@@ -1,4 +1,4 @@
-"""The one detokeniser (``verispec.serving.detokenize``): stop strings and token counts on a word-level
+"""The one detokeniser (``verispec.text``): stop strings and token counts on a word-level
 tokenizer; then, on real tokenizers trained here (byte-level BPE as in GPT-2 / Qwen / Llama 3, sentencepiece
 with byte fallback as in Llama 2, Metaspace), that the streamed pieces always join to the final text, that
 the final text is the tokenizer's own decoding, and that the work per token does not grow with the length."""
@@ -13,7 +13,7 @@ from serving_support import EOS, ids, word_tokenizer
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from verispec.serving.detokenize import CONTEXT_TOKENS, REPLACEMENT, IncrementalDecoder, TextState
+from verispec.text import CONTEXT_TOKENS, REPLACEMENT, IncrementalDecoder, TextState
 
 # ------------------------------------------------------------------------------- word-level: stop strings
 

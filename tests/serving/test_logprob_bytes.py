@@ -8,7 +8,7 @@ import pytest
 from qwen_support import save_qwen_style_pair, serve_qwen_style
 from serving_support import MODEL, post
 
-from verispec.serving.detokenize import TokenBytes
+from verispec.text import TokenBytes
 
 SEEDS = range(6)
 TOP = 5

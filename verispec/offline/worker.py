@@ -18,7 +18,7 @@ from ..core.streams import row_seed
 from ..decode import Row, SpeculativeDecoder, validate_request
 from ..factory import load
 from ..models import eos_token_ids
-from ..serving.detokenize import TextState
+from ..text import ChatTemplateError, TextState, chat_prompt_ids
 from ..telemetry import GenerationStats
 from .store import INDEX_FIELD
 
@@ -85,11 +85,12 @@ class GroupDecoder:
     def _prompt_ids(self, row: dict) -> list[int]:
         """``prompt`` (text, or a list of token ids) or ``messages`` (the model's chat template, as the server)."""
         if row.get("messages") is not None:
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError("this model's tokenizer has no chat template: give 'prompt' instead of 'messages'")
-            text = self.tokenizer.apply_chat_template(list(row["messages"]), add_generation_prompt=True,
-                                                      tokenize=False)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            try:
+                return chat_prompt_ids(self.tokenizer, row["messages"])
+            except ChatTemplateError as error:
+                if error.missing:
+                    raise ValueError(f"{error}: give 'prompt' instead of 'messages'") from None
+                raise
         prompt = row.get("prompt")
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])

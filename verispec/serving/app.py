@@ -50,7 +50,7 @@ from .. import __version__
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
-from .detokenize import TokenBytes
+from ..text import ChatTemplateError, TokenBytes, chat_prompt_ids
 from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .errors import short as _short
 from .generation import Generation, Params
@@ -222,13 +222,10 @@ class Server:
         if any(m.tool_calls for m in messages) and not writes_tool_calls(self.tokenizer):
             raise ApiError("this model's chat template does not write an assistant message's 'tool_calls' (it has "
                            "no tool support)", "messages", "tools_not_supported")
-        plain = [m.for_template() for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(plain, tools=list(tools.tools) if tools else None,
-                                                      add_generation_prompt=True, tokenize=False)
-        except Exception as error:  # a template may raise on its own rules (e.g. alternating roles)
-            raise ApiError(f"the chat template refused the messages: {error}", "messages", "invalid_value") from error
-        ids = self._encode(text, add_special_tokens=False)  # the template writes its own special tokens
+            ids = chat_prompt_ids(self.tokenizer, [m.for_template() for m in messages], tools.tools if tools else None)
+        except ChatTemplateError as error:
+            raise ApiError(str(error), "messages", "invalid_value") from error
         if not ids:
             raise ApiError("the conversation is empty after tokenisation", "messages", "invalid_value")
         return [ids]

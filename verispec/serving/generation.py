@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.logprobs import TokenLogprob
-from .detokenize import TextOffsets, TextState
+from ..text import TextOffsets, TextState
 from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent
 from .errors import ApiError
 from .responses import (

@@ -1,4 +1,5 @@
-"""Incremental detokenisation with stop strings: the one detokeniser of the CLI and the server.
+"""Text in and out of token ids, shared by the CLI, the server and offline jobs: the one chat templating
+(``chat_prompt_ids``) and the one incremental detokeniser with stop strings.
 
 ``IncrementalDecoder`` turns a token stream into text a few tokens at a time: every token decodes a short
 window (the tokens of the previous piece plus the new ones) and the new text is the window's text past the
@@ -8,6 +9,8 @@ constant, so a long completion costs linear time, and text once returned is neve
 never change after it was sent.
 
 ``TextState`` adds stop strings and token counting on top, for one completion choice.
+
+Plain Python (the tokenizer is passed in): importing this module imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -240,3 +243,27 @@ class TextOffsets:
             text = self._pieces.push(token)
         self.offset += len(text)
         return start, text
+
+
+class ChatTemplateError(ValueError):
+    """A conversation cannot be rendered: the tokenizer has no chat template (``missing``), or the template
+    refused the messages by its own rules (e.g. roles that must alternate). Each caller words it for its user."""
+
+    def __init__(self, message: str, missing: bool = False) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def chat_prompt_ids(tokenizer, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+    """The prompt ids of ``messages`` in the tokenizer's chat template, the assistant's turn opened
+    (``add_generation_prompt``), with ``tools`` shown to the model if given. The template writes its own special
+    tokens, so the tokenizer adds none (what ``apply_chat_template(..., tokenize=True)`` does, too). Raises
+    ``ChatTemplateError``; an empty list is returned as is (the caller refuses it in its own words)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ChatTemplateError("this model's tokenizer has no chat template", missing=True)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # a template raises whatever its Jinja code raises
+        raise ChatTemplateError(f"the chat template refused the messages: {error}") from error
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
