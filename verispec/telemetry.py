@@ -6,6 +6,40 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass
+class SourceCounts:
+    """One drafter's share of the drafting (a composite's lookup and model are counted apart), by row step."""
+
+    consulted: int = 0  # row steps that asked it for a draft
+    hits: int = 0  # ... where it had one (a lookup's continuation was found; a model always has one)
+    drafts: int = 0  # blocks of its drafts the target scored
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def add(self, consulted: int = 0, hits: int = 0, draft_length: int = 0, accepted: int = 0) -> None:
+        self.consulted += consulted
+        self.hits += hits
+        self.drafts += draft_length > 0
+        self.draft_tokens += draft_length
+        self.accepted_tokens += accepted
+
+    def merge(self, other: SourceCounts) -> None:
+        for name in ("consulted", "hits", "drafts", "draft_tokens", "accepted_tokens"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(hit_rate=self.hits / self.consulted if self.consulted else 0.0,
+                   acceptance_rate=self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+                   mean_draft_length=self.draft_tokens / self.drafts if self.drafts else 0.0)
+        return out
+
+
+def count_source(counts: dict[str, SourceCounts], name: str, **values: int) -> None:
+    """Add to ``counts[name]`` (created at first use): ``SourceCounts.add``'s arguments."""
+    counts.setdefault(name, SourceCounts()).add(**values)
+
+
+@dataclass
 class GenerationStats:
     """Counters for one ``generate`` call (all rows together).
 
@@ -38,6 +72,9 @@ class GenerationStats:
     # decision (cap, reason, expected tokens per second at the cap and with the target alone).
     controller_steps: dict[str, int] = field(default_factory=dict)
     controller_last: dict | None = None
+    # Per drafter ("model", "suffix", "ngram", ...; a composite's two apart): row steps it was asked for a
+    # draft and had one (hit rate), blocks, draft tokens and accepted tokens (acceptance, draft length).
+    sources: dict[str, SourceCounts] = field(default_factory=dict)
 
     def start_rows(self, batch_size: int) -> None:
         self.row_draft_tokens = [0] * batch_size
@@ -119,6 +156,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        out["sources"] = {name: counts.to_dict() for name, counts in sorted(self.sources.items())}
         out.update(
             acceptance_rate=self.acceptance_rate,
             per_position_acceptance=self.per_position_acceptance,

@@ -24,6 +24,7 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, k] int64; entries at or past draft_lengths[b] are filler (any value, even -1)
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
+    sources: list[str] | None = None  # per row, the name of the drafter that proposed it (telemetry); None: own
 
 
 class Drafter(ABC):
@@ -32,6 +33,11 @@ class Drafter(ABC):
 
     #: draft forward passes run so far (for telemetry)
     calls: int = 0
+
+    @property
+    def name(self) -> str:
+        """The drafter's name in telemetry and ``/metrics`` ("model", "ngram", "suffix", ...)."""
+        return type(self).__name__.removesuffix("Drafter").lower()
 
     @abstractmethod
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
@@ -78,6 +84,28 @@ class Drafter(ABC):
         """A new drafter with the same models (weights shared, never copied) and settings, and no batch state:
         what a second batch running at the same time uses."""
         raise NotImplementedError(f"{type(self).__name__} does not implement fork()")
+
+
+class SourceDrafter(Drafter):
+    """A drafter with two sources per row: a free lookup (no model pass: suffix decoding, prompt lookup) and a
+    model. The caller chooses each row's source per step (``policy/sources.py``) and passes the choice to
+    ``propose_from``; ``propose`` alone uses the drafter's own timing-free rule."""
+
+    #: the drafters behind the two sources (their names label telemetry)
+    lookup: Drafter
+    model: Drafter
+
+    @abstractmethod
+    def lookup_lengths(self, num_draft_tokens: int) -> tuple[list[int], list[bool]]:
+        """Per row, the tokens its lookup found now (0: none; at most ``num_draft_tokens``), and whether the
+        drafter's timing-free rule would use the lookup (what a pinned row, whose tokens must not depend on
+        timings, does)."""
+
+    @abstractmethod
+    def propose_from(self, sources: Sequence[str | None], num_draft_tokens: int, uniforms: torch.Tensor | None,
+                     stop_below: Sequence[float] | None = None) -> Proposal:
+        """``propose`` with each row's source given: "lookup" (its looked-up continuation), "model" or None
+        (nothing; the row's length is 0). The model runs only if some row's source is "model"."""
 
 
 def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int) -> list[SamplingParams]:

@@ -7,15 +7,19 @@ from collections.abc import Sequence
 import torch
 
 from ..core.sampling import SamplingParams
-from .base import Drafter, Proposal, common_prefix
+from .base import Drafter, Proposal, SourceDrafter, common_prefix
 from .ngram import NGramDrafter, lookup_proposal
 from .suffix import SuffixDrafter
 
 
-class CompositeDrafter(Drafter):
-    """A lookup (``primary``: prompt lookup, or suffix decoding, which finds a draft only where its score
-    reaches its ``min_score``) for the rows it finds a draft for, ``fallback`` (typically a model) for the
-    others, in one proposal per step.
+class CompositeDrafter(SourceDrafter):
+    """A lookup (``primary``: prompt lookup, or suffix decoding) and ``fallback`` (typically a model), each
+    row drafting from one of them per step, in one proposal per step.
+
+    Which one: under a ``policy.sources.SourceController`` (the decoder's controller for this drafter), the
+    batch chooses each row's source from measured costs and acceptance and calls ``propose_from``. ``propose``
+    alone uses the timing-free rule: the lookup where it finds a draft (suffix decoding: one scoring at least
+    its ``min_score``), the fallback elsewhere.
 
     Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
     ``draft_probs`` are one-hot, which is exactly the distribution a deterministic proposal was drawn from;
@@ -37,6 +41,14 @@ class CompositeDrafter(Drafter):
         self._fallback_ids: list[list[int]] | None = None  # the fallback's proposal this step, per row
 
     @property
+    def lookup(self) -> Drafter:  # type: ignore[override]
+        return self.primary
+
+    @property
+    def model(self) -> Drafter:  # type: ignore[override]
+        return self.fallback
+
+    @property
     def calls(self) -> int:  # type: ignore[override]
         return self.primary.calls + self.fallback.calls
 
@@ -54,13 +66,29 @@ class CompositeDrafter(Drafter):
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
-        """Early stops (``stop_below``) apply to the fallback's rows; a lookup's block is never cut."""
+        """The timing-free rule: the lookup where it finds a draft, the fallback elsewhere."""
         found = self.primary.lookups(num_draft_tokens)  # [] = no match
+        return self.propose_from(["lookup" if tokens else "model" for tokens in found], num_draft_tokens,
+                                 uniforms, stop_below)
+
+    def lookup_lengths(self, num_draft_tokens: int) -> tuple[list[int], list[bool]]:
+        found = self.primary.lookups(num_draft_tokens, min_score=0.0)  # any continuation
+        return [len(t) for t in found], [bool(t) for t in self.primary.lookups(num_draft_tokens)]
+
+    def propose_from(self, sources: Sequence[str | None], num_draft_tokens: int, uniforms: torch.Tensor | None,
+                     stop_below: Sequence[float] | None = None) -> Proposal:
+        """Early stops (``stop_below``) apply to the fallback's rows; a lookup's block is never cut."""
+        any_found = self.primary.lookups(num_draft_tokens, min_score=0.0)
+        found = [tokens if source == "lookup" else [] for tokens, source in zip(any_found, sources, strict=True)]
         lookup = [b for b, tokens in enumerate(found) if tokens]
         self.lookup_rows += len(lookup)
-        if len(lookup) == len(found):
+        names = [self.primary.name if tokens else self.fallback.name if source == "model" else None
+                 for tokens, source in zip(found, sources)]
+        if "model" not in sources:
             self.fallback_skipped += 1
-            return lookup_proposal(found)
+            proposal = lookup_proposal(found)
+            proposal.sources = names
+            return proposal
         proposal = self.fallback.propose(num_draft_tokens, uniforms, stop_below)
         batch_size, width = proposal.draft_ids.shape
         lengths = (
@@ -69,7 +97,13 @@ class CompositeDrafter(Drafter):
             else proposal.draft_lengths.to("cpu", torch.long)
         )  # [B]
         self._fallback_ids = [row[:n].tolist() for row, n in zip(proposal.draft_ids.cpu(), lengths.tolist())]
+        idle = [b for b, source in enumerate(sources) if source is None]
+        if idle:  # rows told to draft nothing: the fallback drafted for them too (one batched pass), unused
+            lengths = lengths.clone()
+            lengths[idle] = 0
+        proposal.sources = names
         if not lookup:
+            proposal.draft_lengths = lengths.to(proposal.draft_ids.device)
             return proposal
 
         device = proposal.draft_ids.device
@@ -86,7 +120,7 @@ class CompositeDrafter(Drafter):
             if draft_probs is not None:  # one-hot: the law a deterministic proposal is drawn from
                 draft_probs[b, : len(tokens)] = 0.0
                 draft_probs[b, torch.arange(len(tokens), device=device), tokens] = 1.0
-        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device))
+        return Proposal(draft_ids=draft_ids, draft_probs=draft_probs, draft_lengths=lengths.to(device), sources=names)
 
     def backlog(self) -> int:
         return 0 if self._all_match() else self.fallback.backlog()  # a lookup keeps no cache

@@ -51,8 +51,9 @@ class NGramDrafter(Drafter):
                     return history[start + n : start + n + k]
         return []
 
-    def lookups(self, num_draft_tokens: int) -> list[list[int]]:
-        """Per row, what ``lookup`` finds ([] = no match): what the composite asks of its primary drafter."""
+    def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
+        """Per row, what ``lookup`` finds ([] = no match): what the composite asks of its primary drafter
+        (a match has no score: ``min_score`` is ignored)."""
         return [self.lookup(h, num_draft_tokens) for h in self.histories]
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:

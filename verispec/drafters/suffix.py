@@ -73,7 +73,7 @@ class SuffixSettings:
     max_spec_factor: float = 1.0  # a continuation is at most factor * match length + offset tokens
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # a continuation ends where its estimated probability falls below this
-    min_score: float = 0.0  # a row proposes only a continuation scoring at least this (expected tokens kept)
+    min_score: float = 0.0  # ``propose`` / ``lookups`` use only a continuation scoring at least this
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 1:
@@ -224,7 +224,7 @@ class SuffixDrafter(Drafter):
 
     @property
     def hit_rate(self) -> float:
-        """Share of the rows consulted that had a continuation scoring at least ``min_score``."""
+        """Share of the rows consulted that had a continuation (any score)."""
         return self.hits / self.row_steps if self.row_steps else 0.0
 
     def fork(self) -> SuffixDrafter:
@@ -250,7 +250,7 @@ class SuffixDrafter(Drafter):
         self._drafts = None
 
     def drafts(self) -> list[SuffixDraft | None]:
-        """Each row's best continuation this step (None: none scoring ``min_score``); computed once per step."""
+        """Each row's best continuation this step, whatever its score (None: none); computed once per step."""
         if self._drafts is None:
             self._drafts = [self._best(row) for row in self._rows]
             found = [d for d in self._drafts if d is not None]
@@ -273,12 +273,13 @@ class SuffixDrafter(Drafter):
             cut = next(i for i, t in enumerate(best.token_ids) if t >= self.vocab_size)
             best.token_ids, best.score = best.token_ids[:cut], best.score * cut / len(best.token_ids)
             best = best if cut else None
-        return best if best is not None and best.score >= self.settings.min_score else None
+        return best
 
-    def lookups(self, num_draft_tokens: int) -> list[list[int]]:
-        """Per row, the first ``num_draft_tokens`` tokens of its continuation ([] = none): what the composite
-        asks of its primary drafter."""
-        return [[] if d is None else d.token_ids[:num_draft_tokens] for d in self.drafts()]
+    def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
+        """Per row, the first ``num_draft_tokens`` tokens of its continuation if it scores at least
+        ``min_score`` (the settings' by default; [] = none): what the composite asks of its lookup."""
+        floor = self.settings.min_score if min_score is None else min_score
+        return [[] if d is None or d.score < floor else d.token_ids[:num_draft_tokens] for d in self.drafts()]
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:

@@ -168,14 +168,22 @@ class SpeculationController:
         return AcceptanceEstimate(pool=self.pool)
 
     # --- before a step -------------------------------------------------------------------------------------
-    def decide(self, rows: Sequence[RowPlan], backlog: int = 0) -> tuple[list[int], CapDecision]:
+    def decide(self, rows: Sequence[RowPlan], backlog: int = 0, *,
+               record: bool = True) -> tuple[list[int], CapDecision]:
         """The draft length of every row this step, and why. ``backlog``: tokens the drafter must feed before
-        drafting (``Drafter.backlog``)."""
+        drafting (``Drafter.backlog``). ``record=False``: the caller may not run it (``sources.py`` weighs two
+        plans) and calls ``record`` for the one that runs."""
         with self._lock:
             lengths, decision = self._decide(rows, backlog)
+        if record:
+            self.record(decision)
+        return lengths, decision
+
+    def record(self, decision: CapDecision) -> None:
+        """Count a decision that runs (telemetry: ``snapshot``)."""
+        with self._lock:
             self.steps_by_reason[decision.reason] += 1
             self.last_by_bucket[decision.bucket] = decision
-            return lengths, decision
 
     def _decide(self, rows: Sequence[RowPlan], backlog: int) -> tuple[list[int], CapDecision]:
         size, bucket = len(rows), bucket_of(len(rows))

@@ -1,0 +1,180 @@
+"""Suffix decoding on the real pair: suffix vs prompt lookup vs the 0.5B model draft vs the target alone.
+
+    python benchmarks/suffix/bench.py [--max-new-tokens 96] [--repeats 2] [--general 4] [--out benchmarks/suffix]
+
+Workloads (greedy, one request at a time, chat template of the target):
+  repetitive  built at run time from this Python's standard library sources (text we did not write):
+              edit   - repeat a function with a small change (a renamed parameter / variable);
+              loop   - similar requests in a row (pytest tests for one function, then for its neighbour):
+                       the second answer repeats the structure of the first;
+              multi  - a second turn asking to show the assistant's earlier answer again, changed slightly.
+  general     the first ``--general`` prompts of ``benchmarks/prompts.json``.
+Every method decodes every prompt in each repeat, interleaved per prompt (so machine noise hits all methods
+alike); each repeat builds fresh drafters (an empty suffix tree, a fresh speculation controller), and the
+prompts run in the same order, so the suffix drafter's earlier responses are those of the same repeat only.
+Greedy outputs are checked identical to the target alone's. Writes bench.json (the prompts built, per-prompt
+records, medians with min-max) and prints a Markdown table; tokens/s of a (method, workload, repeat) are the
+tokens over the seconds of that workload's prompts (``run.summarise``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from run import cpu_name, encode, log, ratio, summarise  # noqa: E402
+
+import verispec  # noqa: E402
+from verispec.drafters import ModelDrafter, NGramDrafter, SuffixDrafter  # noqa: E402
+
+METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4")
+
+
+def stdlib_function(module: str, name: str) -> str:
+    """The source of a top-level function of a standard-library module, read from this Python's files."""
+    path = Path(sysconfig.get_paths()["stdlib"]) / f"{module}.py"
+    source = path.read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return ast.get_source_segment(source, node)
+    raise LookupError(f"{module}.{name} not found in {path}")
+
+
+def block(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def repetitive_prompts() -> list[dict]:
+    """Six prompts: two edits, two similar requests in a row, two second turns; ``messages`` for the template."""
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    relpath, hls = stdlib_function("posixpath", "relpath"), stdlib_function("colorsys", "rgb_to_hls")
+    push, pop = stdlib_function("heapq", "heappush"), stdlib_function("heapq", "heappop")
+    indent, insort = stdlib_function("textwrap", "indent"), stdlib_function("bisect", "insort_right")
+    tests = ("Write three pytest test functions for the function below from Python's heapq module. Start with "
+             "`import heapq` and output only the code.\n\n")
+    return [
+        {"kind": "edit", "name": "posixpath.relpath", "messages": user(
+            "Rewrite this function from Python's posixpath module so that its parameter `start` is called `base` "
+            "instead. Change nothing else and output the complete function in one code block.\n\n" + block(relpath))},
+        {"kind": "edit", "name": "colorsys.rgb_to_hls", "messages": user(
+            "In this function, rename the local variable `maxc` to `high` and `minc` to `low`. Change nothing else "
+            "and output the complete function in one code block.\n\n" + block(hls))},
+        {"kind": "loop", "name": "heapq.heappush tests", "messages": user(tests + block(push))},
+        {"kind": "loop", "name": "heapq.heappop tests", "messages": user(tests + block(pop))},
+        {"kind": "multi", "name": "textwrap.indent, turn 2", "messages": [
+            {"role": "user", "content": "Show me the source of textwrap.indent from Python's standard library."},
+            {"role": "assistant", "content": block(indent)},
+            {"role": "user", "content": "Rename the parameter `predicate` to `should_indent` and show the whole "
+                                        "function again."}]},
+        {"kind": "multi", "name": "bisect.insort_right, turn 2", "messages": [
+            {"role": "user", "content": "Show me the source of bisect.insort_right from Python's standard library."},
+            {"role": "assistant", "content": block(insort)},
+            {"role": "user", "content": "Rename the parameter `a` to `items` everywhere and show the whole function "
+                                        "again."}]},
+    ]
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--general", type=int, default=4, help="prompts of benchmarks/prompts.json")
+    parser.add_argument("--out", default=str(HERE))
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    decoder, tokenizer = verispec.load(args.target, args.draft, draft_quant="int4", num_draft_tokens="auto",
+                                       progress=log)
+    draft_model = decoder.drafter.model
+    eos = verispec.eos_token_ids(tokenizer, decoder.target_model)
+    general = json.loads((HERE.parent / "prompts.json").read_text())[: args.general]
+    prompts = repetitive_prompts() + [dict(p, name=f"prompts.json[{i}]", group="general")
+                                      for i, p in enumerate(general)]
+    encoded = [encode_messages(tokenizer, p["messages"]) if "messages" in p else encode(tokenizer, p)
+               for p in prompts]
+    for p in prompts:
+        p.setdefault("group", "repetitive")
+
+    def fresh_drafters() -> dict:
+        return {"alone": None, "suffix": SuffixDrafter(scope="global"), "ngram": NGramDrafter(),
+                "model_0.5b_int4": ModelDrafter(draft_model)}
+
+    log("warm-up (kernels of each shape built before timing)")
+    for name, drafter in fresh_drafters().items():
+        decoder.generate([encoded[0]], max_new_tokens=16, eos_token_id=eos, draft=drafter)
+
+    report = {"command": "python benchmarks/suffix/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+                         f"Python {sys.version.split()[0]} (shared machine)",
+              "settings": vars(args), "prompts": prompts, "records": []}
+    records = report["records"]
+    for repeat in range(args.repeats):
+        drafters = fresh_drafters()
+        order = list(METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)])  # rotate per repeat
+        for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            outputs = {}
+            for method in order:
+                t0 = time.perf_counter()
+                result = decoder.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos,
+                                          draft=drafters[method])
+                seconds = time.perf_counter() - t0
+                stats = result.stats
+                outputs[method] = result.tokens[0]
+                records.append({"method": method, "repeat": repeat, "prompt": index, "kind": prompt["group"],
+                                "workload": prompt["kind"], "tokens": len(result.tokens[0]), "seconds": seconds,
+                                "prompt_tokens": len(ids), "draft_tokens": stats.draft_tokens,
+                                "accepted_tokens": stats.accepted_tokens, "target_passes": stats.steps,
+                                "identical": None})
+                log(f"repeat {repeat} prompt {index} ({prompt['name']}) {method}: "
+                    f"{len(result.tokens[0]) / seconds:.2f} tok/s, {stats.accepted_tokens}/{stats.draft_tokens} kept")
+            for record in records[-len(order):]:
+                record["identical"] = outputs[record["method"]] == outputs["alone"]
+            (out / "bench.json").write_text(json.dumps(report, indent=1))  # kept as it goes
+    kinds = ["repetitive", "general"]
+    done = max(r["repeat"] for r in records) + 1
+    table = summarise(records, list(METHODS), kinds, done)
+    report["tokens_per_s"] = table
+    report["speedup_vs_alone"] = {m: {k: ratio(table, m, "alone", k) for k in kinds + ["all"]} for m in METHODS}
+    report["all_identical"] = all(r["identical"] for r in records)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    print(markdown(report, kinds))
+    return 0 if report["all_identical"] else 1
+
+
+def markdown(report: dict, kinds: list[str]) -> str:
+    lines = ["| method | " + " | ".join(f"{k} tok/s" for k in kinds) + " | " +
+             " | ".join(f"{k} vs alone" for k in kinds) + " | acceptance (repetitive) |",
+             "|---" * (2 * len(kinds) + 2) + "|"]
+    for method in METHODS:
+        speed = [report["tokens_per_s"][method][k] for k in kinds]
+        ratios = [report["speedup_vs_alone"][method][k] for k in kinds]
+        rows = [r for r in report["records"] if r["method"] == method and r["kind"] == "repetitive"]
+        proposed = sum(r["draft_tokens"] for r in rows)
+        kept = sum(r["accepted_tokens"] for r in rows) / proposed if proposed else 0.0
+        lines.append(f"| {method} | " + " | ".join(f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for s in speed)
+                     + " | " + " | ".join(f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})" for x in ratios)
+                     + f" | {kept:.2f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
