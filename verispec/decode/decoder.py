@@ -29,8 +29,8 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter
-from ..models.cache import CachedLM, model_device, model_vocab_size
-from ..models.capability import position_limit
+from ..models.cache import CachedLM, model_device
+from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, Row, sync

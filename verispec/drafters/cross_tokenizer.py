@@ -20,7 +20,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..core.sampling import SamplingParams
-from ..models.cache import CachedLM, left_pad, model_vocab_size, padded_positions
+from ..models.cache import CachedLM, left_pad, padded_positions
+from ..models.capability import model_vocab_size
 from .base import Drafter, Proposal, common_prefix
 
 

@@ -25,15 +25,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-
-def model_vocab_size(model: PreTrainedModel) -> int:
-    """Number of logits the model produces per position."""
-    head = model.get_output_embeddings()
-    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear, packed or quantised linears
-        return head.out_features
-    if isinstance(getattr(head, "weight", None), torch.Tensor):
-        return int(head.weight.shape[0])
-    return int(model.config.get_text_config().vocab_size)
+from .capability import UNROLLABLE_LAYERS, UnsupportedModelError, position_limit, require_exact_rollback
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -44,8 +36,6 @@ def max_positions(model: PreTrainedModel) -> int | None:
     """The longest sequence (prompt + new tokens) verispec decodes exactly with this model, if its config
     says: the size of its position range, or less where its rotary embedding switches frequencies at a length
     (see :func:`verispec.models.capability.position_limit`, which also gives the reason)."""
-    from .capability import position_limit  # capability runs CachedLM, so it imports this module
-
     return position_limit(model)[0]
 
 
@@ -73,8 +63,6 @@ class CachedLM:
         self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S]
 
     def _check_rollback_supported(self) -> None:
-        from .capability import UNROLLABLE_LAYERS, UnsupportedModelError, require_exact_rollback
-
         bad = [
             type(layer).__name__
             for layer in self.cache.layers
@@ -82,7 +70,7 @@ class CachedLM:
         ]
         if bad:
             raise UnsupportedModelError(self.model, UNROLLABLE_LAYERS, f"layer types {sorted(set(bad))}")
-        require_exact_rollback(self.model)
+        require_exact_rollback(self.model, CachedLM)
 
     @property
     def batch_size(self) -> int:

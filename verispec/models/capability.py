@@ -33,7 +33,9 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -163,10 +165,18 @@ def _hole_size(model: PreTrainedModel, limit: int | None) -> int:
     return min(size, room)
 
 
+def model_vocab_size(model: PreTrainedModel) -> int:
+    """Number of logits the model produces per position."""
+    head = model.get_output_embeddings()
+    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear, packed or quantised linears
+        return head.out_features
+    if isinstance(getattr(head, "weight", None), torch.Tensor):
+        return int(head.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
 def _probe_tokens(model: PreTrainedModel, count: int) -> list[int]:
     """``count`` distinct ordinary token ids spread over the vocabulary (no pad / bos / eos ids)."""
-    from .cache import model_vocab_size
-
     size = min(model.get_input_embeddings().weight.shape[0], model_vocab_size(model))
     special = set()
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "unk_token_id"):
@@ -196,10 +206,11 @@ def _difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def probe(model: PreTrainedModel) -> ProbeResult:
-    """Run the model on six tokens by its own forward and through verispec's cache (one pass; beside another
+def probe(model: PreTrainedModel, adapter: Callable[..., Any]) -> ProbeResult:
+    """Run the model on six tokens by its own forward and through the cache ``adapter`` (one pass; beside another
     row; four then two tokens; three rows with left padding, far positions, a per-row rollback and inserted
-    holes) and compare the logits.
+    holes) and compare the logits. ``adapter`` is the class under test, ``cache.CachedLM``, built as
+    ``adapter(model, check=False)``; it is passed in because the adapter runs this probe on the models it is given.
 
     Deterministic (fixed token ids, no randomness) and side-effect free: runs in inference mode with the model
     in eval mode (restored after), on caches of its own; a hook scaling the input embeddings for one pass is
@@ -211,7 +222,7 @@ def probe(model: PreTrainedModel) -> ProbeResult:
     was_training = model.training
     model.eval()
     try:
-        _Probe(model, result).run()
+        _Probe(model, adapter, result).run()
     except Exception as err:  # noqa: BLE001 - any failure inside the model's forward: it cannot run this way
         result.reason, result.detail = FORWARD_FAILS, _describe(err)
     finally:
@@ -225,14 +236,12 @@ class _Probe:
 
     n = 6
 
-    def __init__(self, model: PreTrainedModel, result: ProbeResult) -> None:
-        from .cache import CachedLM  # the adapter under test; it imports this module to check models
-
+    def __init__(self, model: PreTrainedModel, adapter: Callable[..., Any], result: ProbeResult) -> None:
         self.model, self.result = model, result
         self.limit = position_limit(model)[0]
         ids = _probe_tokens(model, self.n + 3)
         self.tokens, self.junk, self.pad = ids[: self.n], ids[self.n : self.n + 2], ids[self.n + 2]
-        self.lm = CachedLM(model, check=False)
+        self.lm = adapter(model, check=False)
 
     def step(self, ids: list[list[int]], mask: list[list[bool]] | None, positions: list[list[int]]) -> torch.Tensor:
         """One pass through the probe's cache: logits ``[B, len, V]``."""
@@ -336,18 +345,19 @@ class _Probe:
 _verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def require_exact_rollback(model: PreTrainedModel) -> ProbeResult:
-    """Probe ``model`` (once per model, layer count and dtype) and raise :class:`UnsupportedModelError` if
-    verispec's cache cannot reproduce its own logits."""
+def require_exact_rollback(model: PreTrainedModel, adapter: Callable[..., Any]) -> ProbeResult:
+    """Probe ``model`` through ``adapter`` (see :func:`probe`; once per model, layer count and dtype) and raise
+    :class:`UnsupportedModelError` if the cache cannot reproduce the model's own logits."""
     config = model.config.get_text_config()
     key = (getattr(config, "num_hidden_layers", None), getattr(next(model.parameters(), None), "dtype", None))
     cached = _verdicts.get(model)
     if cached is None or cached[0] != key:
-        cached = _verdicts[model] = (key, probe(model))
+        cached = _verdicts[model] = (key, probe(model, adapter))
     result = cached[1]
     if not result.supported:
         raise UnsupportedModelError(model, result.reason, result.detail)
     return result
 
 
-__all__ = ["ProbeResult", "UnsupportedModelError", "position_limit", "probe", "require_exact_rollback"]
+__all__ = ["ProbeResult", "UnsupportedModelError", "model_vocab_size", "position_limit", "probe",
+           "require_exact_rollback"]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import zoo
 from .integrity import Progress, ZooError, save_atomic_dir, say
 
 if TYPE_CHECKING:
@@ -241,8 +242,6 @@ def _source(name_or_path: str) -> tuple[str, Path]:
     """Where ``name_or_path`` loads from, decided without reading weights or contacting anything: ``("zoo",
     _)``, ``("folder", folder)``, ``("gguf", file)`` or ``("hub", _)``; :class:`ZooError` for a missing path, a
     folder that is no model or a name that is none of these."""
-    from . import zoo
-
     path = Path(name_or_path).expanduser()
     if name_or_path in zoo.ZOO:
         return "zoo", path
@@ -287,8 +286,6 @@ def load_pretrained(
     Raises :class:`ZooError` for an unknown name, a missing path, a folder that is no model, a Hub id that
     cannot be loaded, or a failed install/verification; ``ValueError`` for a bad dtype (before any work).
     """
-    from . import zoo  # imported here: zoo re-exports this function as ``zoo.load``
-
     torch_dtype = parse_dtype(dtype)  # before any slow work, so a typo fails fast
     cache = cache if cache is not None else zoo.cache_root()
     kind, path = _source(name_or_path)

