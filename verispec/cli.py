@@ -248,6 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServerOptions(  # checked before the models load
         api_keys=read_api_keys(args.api_key or (), args.api_key_file), metrics_public=args.metrics_public,
         allowed_hosts=default_allowed_hosts(args.host, args.allowed_hosts), docs=args.docs,
+        playground=args.playground,
         max_request_bytes=args.max_request_bytes, max_choices=args.max_choices,
         max_request_tokens=args.max_request_tokens, max_queued_tokens=args.max_queued_tokens,
         shutdown_timeout=args.shutdown_timeout)
@@ -384,6 +385,8 @@ def _add_serve_security_args(srv: argparse.ArgumentParser) -> None:
                      help="Host header values accepted, comma-separated ('*.example.com' patterns, '*' for any; "
                           "default: loopback names when --host is loopback, else any)")
     srv.add_argument("--docs", action="store_true", help="serve /docs and /redoc (off by default)")
+    srv.add_argument("--no-playground", dest="playground", action="store_false",
+                     help="do not serve the playground page at /playground (and / redirecting to it)")
     srv.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
                      help=f"largest request body, checked while it is read: 413 (default {defaults.max_request_bytes})")
     srv.add_argument("--max-choices", type=int, default=defaults.max_choices, metavar="N",

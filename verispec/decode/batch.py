@@ -64,8 +64,10 @@ class Row:
     num_drafts: int = 0  # target passes in which this row had at least one draft token
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
     first_token_time: float | None = None
+    last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
 
     def count_step(self, draft_length: int, num_accepted: int) -> None:
+        self.last_block = (draft_length, num_accepted)
         self.draft_tokens += draft_length
         self.accepted_tokens += num_accepted
         self.target_passes += 1

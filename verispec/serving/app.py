@@ -47,21 +47,19 @@ from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from ..models import eos_token_ids
-from .admission import Admission
-from .config import ServerOptions
 from ..text import ChatTemplateError, TokenBytes, chat_prompt_ids
 from ..version import __version__
+from .admission import Admission
+from .chat_protocol import ChatCompletionRequest, ChatMessage
+from .config import ServerOptions
 from .errors import ApiError, ErrorResponse, error_body, validation_error
 from .errors import short as _short
 from .generation import Generation, Params
 from .guard import API_KEY, REQUEST_ID, REQUEST_ID_HEADER, Guard, too_large
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    SamplingRequest,
-)
+from .playground import PUBLIC_PATHS as PLAYGROUND_PATHS
+from .playground import add_playground
+from .protocol import CompletionRequest, SamplingRequest
 from .responses import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -149,7 +147,8 @@ class Server:
             raise ApiError(f"{choices} choices x {max_name}={max_tokens} is {choices * max_tokens} tokens; this "
                            f"server's limit is {per_request} tokens per request", max_name, "invalid_value")
         options = body.stream_options
-        if body.logprobs_count is not None:
+        provenance = bool(body.verispec and body.verispec.provenance)
+        if body.logprobs_count is not None or provenance:
             _ = self.token_bytes
         return Params(
             chat=chat, prompts=prompts, max_tokens=max_tokens,
@@ -159,7 +158,7 @@ class Server:
             include_usage=body.stream and options is not None and bool(options.include_usage),
             sampling_options=body.sampling_options | self._grammar(body, tools), logprobs=body.logprobs_count,
             num_draft_tokens=body.verispec and body.verispec.num_draft_tokens,
-            verification=body.verispec and body.verispec.verification, tools=tools,
+            verification=body.verispec and body.verispec.verification, tools=tools, provenance=provenance,
         )
 
     def _grammar(self, body: SamplingRequest, tools: ToolSetup | None = None) -> dict:
@@ -377,7 +376,8 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     # count of bytes actually read.
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=options.max_request_bytes)
     app.add_middleware(Guard, api_keys=options.api_keys, metrics_public=options.metrics_public,
-                       max_request_bytes=options.max_request_bytes, count=server.count_http)
+                       max_request_bytes=options.max_request_bytes, count=server.count_http,
+                       public_paths=PLAYGROUND_PATHS if options.playground else ())
     if options.allowed_hosts is not None:
         app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(options.allowed_hosts), www_redirect=False)
 
@@ -433,4 +433,6 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
+    if options.playground:
+        add_playground(app, needs_key=bool(options.api_keys))
     return app

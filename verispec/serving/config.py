@@ -28,6 +28,7 @@ class ServerOptions:
     metrics_public: bool = False  # /metrics without a key even when keys are set
     allowed_hosts: tuple[str, ...] | None = None  # Host header allow-list (Starlette patterns); None: any
     docs: bool = False  # /docs and /redoc
+    playground: bool = True  # the playground page at /playground (and / redirecting to it)
     max_request_bytes: int = 2**20  # request body, checked while it is read (413)
     max_choices: int = 32  # prompts x n per request (400)
     max_request_tokens: int = 65536  # prompts x n x max_tokens per request (400)

@@ -30,7 +30,8 @@ from typing import Any
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
-from ..telemetry import GenerationStats
+from ..telemetry import GenerationStats, SourceCounts
+from .provenance import Block
 
 _SHUTDOWN = "the engine shut down before the request finished"
 INTERNAL_ERROR = "internal error"  # what a row ended by an exception says; the traceback goes to the log only
@@ -59,6 +60,7 @@ class EngineRequest:
 class TokensEvent:
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    block: Block | None = None  # the step that committed them: how many drafts it had and kept
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Engine:
         self.requests_total: dict[str, int] = {}
         self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
         self.accepted_per_position: list[int] = []
+        self.sources: dict[str, SourceCounts] = {}  # per drafter ("suffix", "model", ...): finished rows' shares
         self.running = 0
 
     # --- public API --------------------------------------------------------------------------------------
@@ -148,7 +151,8 @@ class Engine:
         row = self.decoder.rows_for(valid, [key], num_draft_tokens=request.num_draft_tokens,
                                     verification=request.verification)[0]
         row.on_tokens = lambda tokens: on_event(TokensEvent(
-            list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):]))
+            list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):],
+            Block(row.target_passes - 1, *row.last_block)))
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
@@ -168,6 +172,8 @@ class Engine:
                 "accepted_tokens": self.accepted_tokens,
                 "num_drafts": self.num_drafts,  # row steps with at least one draft token
                 "accepted_per_position": list(self.accepted_per_position),
+                # per drafter (a composite's lookup and model apart): hit rate, acceptance, draft length
+                "sources": {name: counts.to_dict() for name, counts in sorted(self.sources.items())},
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
@@ -401,6 +407,8 @@ class Engine:
         self.accepted_per_position.extend([0] * (len(row.accepted_per_position) - len(self.accepted_per_position)))
         for i, count in enumerate(row.accepted_per_position):
             self.accepted_per_position[i] += count
+        for name, counts in row.sources.items():
+            self.sources.setdefault(name, SourceCounts()).merge(counts)
         try:
             pending.on_event(FinishEvent(reason=row.reason, stats=_finish_stats(row, pending.submitted),
                                          error=row.error))
@@ -417,6 +425,7 @@ def _finish_stats(row: Row, submitted: float) -> dict:
         "accepted_tokens": row.accepted_tokens,
         "num_drafts": row.num_drafts,  # target passes in which the row drafted at least one token
         "accepted_per_position": list(row.accepted_per_position),  # [i]: times draft position i was kept
+        "sources": {name: counts.to_dict() for name, counts in sorted(row.sources.items())},  # per drafter
         "acceptance_rate": row.accepted_tokens / row.draft_tokens if row.draft_tokens else 0.0,
         "tokens_per_target_pass": len(row.output) / passes if passes else 0.0,
         "mean_draft_length": row.draft_tokens / passes if passes else 0.0,

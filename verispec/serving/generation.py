@@ -29,6 +29,8 @@ from .responses import (
     CompletionLogprobs,
     CompletionResponse,
     Telemetry,
+    TokenProvenance,
+    TokenStream,
     FunctionCall,
     FunctionCallDelta,
     ToolCall,
@@ -36,6 +38,7 @@ from .responses import (
     TopLogprob,
     Usage,
 )
+from .provenance import ProvenanceLog
 from .tools import ToolCallParser, ToolSetup
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class Params:
     num_draft_tokens: int | str | None = None  # the request's ``verispec.draft``: None is the server's
     verification: str | None = None  # the request's ``verispec.verification``: None is the server's
     tools: ToolSetup | None = None  # chat with ``tools``: how calls are written and parsed
+    provenance: bool = False  # the request's ``verispec.provenance``: label each token by how it was committed
 
 
 _DISCONNECTED = object()  # queue sentinel: the client went away
@@ -103,6 +107,7 @@ class Choice:
     logprobs_sent: int = 0  # entries already sent (streamed), dropped from ``logprobs``
     offsets: TextOffsets | None = None  # where each token's text starts (``text_offset``), if logprobs are asked
     tools: ToolCallParser | None = None  # the text as content and tool calls, if the request parses tool calls
+    provenance: ProvenanceLog | None = None  # each token's label, if the request asked for provenance
 
 
 class Generation:
@@ -142,7 +147,8 @@ class Generation:
                     prompt_ids=list(p.prompts[choice.prompt_index]), max_new_tokens=p.max_tokens,
                     temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed,
                     eos_token_ids=self.server.eos_token_ids, group=self.group, sampling_options=p.sampling_options,
-                    logprobs=p.logprobs, num_draft_tokens=p.num_draft_tokens, verification=p.verification,
+                    logprobs=0 if p.logprobs is None and p.provenance else p.logprobs,  # provenance: each logprob
+                    num_draft_tokens=p.num_draft_tokens, verification=p.verification,
                     draft_scope=("key", self.api_key),
                 )
                 choice.handle = self.server.engine.submit(request, self._poster(choice.index))
@@ -161,6 +167,10 @@ class Generation:
                                              p.prompts[choice.prompt_index])
             if p.tools is not None:
                 choice.tools = p.tools.parser()
+            if p.provenance:
+                names = self.server.token_bytes
+                choice.provenance = ProvenanceLog(names, TextOffsets(self.server.tokenizer, names,
+                                                                     p.prompts[choice.prompt_index]))
 
     def _poster(self, index: int) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
@@ -204,7 +214,10 @@ class Generation:
                 pending -= 1
                 yield choice, self._finish(choice, event), True
             else:  # TokensEvent
-                choice.logprobs += event.logprobs or []
+                if self.params.logprobs is not None:
+                    choice.logprobs += event.logprobs or []
+                if choice.provenance is not None:
+                    choice.provenance.add(event.tokens, event.block, event.logprobs)
                 delta = self._tokens(choice, list(event.tokens))
                 if delta:
                     yield choice, delta, False
@@ -267,6 +280,7 @@ class Generation:
 
     @staticmethod
     def choice_telemetry(choice: Choice) -> ChoiceTelemetry:
+        """The choice's telemetry, with (if asked) the provenance of its tokens not sent yet."""
         stats = choice.stats
         return ChoiceTelemetry(
             index=choice.index, acceptance_rate=stats.get("acceptance_rate", 0.0),
@@ -275,7 +289,7 @@ class Generation:
             accepted_tokens=stats.get("accepted_tokens", 0),
             generated_tokens=stats.get("completion_tokens", choice.received),
             time_to_first_token_s=stats.get("time_to_first_token_s"), total_time_s=stats.get("total_time_s"),
-            error=choice.error,
+            error=choice.error, tokens=_provenance(choice),
         )
 
     def full_response(self) -> BaseModel:
@@ -343,12 +357,17 @@ class Generation:
         if self.params.chat:
             delta = ChatDelta(role="assistant", content="") if role else self._delta(choice, text or "", finished)
             logprobs = None if role else self._logprobs(choice)
-            if not (role or finished or delta.content or delta.tool_calls or (logprobs and logprobs.content)):
+            tokens = None if role or finished else _provenance(choice)
+            if not (role or finished or delta.content or delta.tool_calls or (logprobs and logprobs.content) or tokens):
                 return None
+        else:
+            tokens = None if finished else _provenance(choice)
         end: dict = {}
         if finished:
             end = {"finish_reason": _finish_reason(choice), "stop_reason": choice.state.stop}
             common["verispec"] = self.choice_telemetry(choice)
+        elif tokens:
+            common["verispec"] = TokenStream(tokens=tokens)
         if self.params.chat:
             entry: BaseModel = ChatChunkChoice(index=choice.index, delta=delta, logprobs=logprobs, **end)
         else:
@@ -371,6 +390,14 @@ class Generation:
             ToolCallDelta(index=first + i, id=call.id, type="function",
                           function=FunctionCallDelta(name=call.name, arguments=call.arguments))
             for i, call in enumerate(calls)] or None)
+
+
+def _provenance(choice: Choice) -> list[TokenProvenance] | None:
+    """The labels of the choice's tokens that its text sent so far needs and that were not sent yet (None if the
+    request did not ask, or there are none)."""
+    if choice.provenance is None or choice.state is None:
+        return None
+    return choice.provenance.take(choice.state.num_tokens) or None
 
 
 def _finish_reason(choice: Choice) -> str | None:

@@ -60,10 +60,11 @@ class Guard:
     """``count(path, status)`` is called for every request it refuses."""
 
     def __init__(self, app: ASGIApp, *, api_keys: Sequence[str], metrics_public: bool, max_request_bytes: int,
-                 count: Callable[[str, int], None]) -> None:
+                 count: Callable[[str, int], None], public_paths: Sequence[str] = ()) -> None:
+        """``public_paths``: more paths served without a key (the playground's static files, which hold no data)."""
         self.app = app
         self._digests = [_digest(key) for key in api_keys]
-        self._open = OPEN_PATHS | ({"/metrics"} if metrics_public else set())
+        self._open = OPEN_PATHS | ({"/metrics"} if metrics_public else set()) | set(public_paths)
         self.max_request_bytes = max_request_bytes
         self.count = count
 

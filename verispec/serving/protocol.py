@@ -3,13 +3,12 @@
 FastAPI validates every request body against these models before the app sees it, and ``/openapi.json``
 documents them. Every validation error becomes one HTTP 400 in OpenAI's shape (``ApiError``). Fields that
 would change the output and that this server does not implement are refused, never silently ignored; other
-unknown fields are ignored, as OpenAI-compatible servers do. The response bodies are in ``responses.py``,
-the error shape in ``errors.py``.
+unknown fields are ignored, as OpenAI-compatible servers do. The chat request (messages, tools) is in
+``chat_protocol.py``, the response bodies are in ``responses.py``, the error shape in ``errors.py``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -71,7 +70,7 @@ def _passed_through(error: ValidationError) -> PydanticCustomError | None:
     return None
 
 
-def _one_error(message: str, range_message: str | None = None,
+def one_error(message: str, range_message: str | None = None,
                refine: Callable[[Any], PydanticCustomError | None] | None = None) -> WrapValidator:
     """Any validation error of the field becomes one readable error (a union's errors would name every branch
     it tried); an error about the field's own text is kept, ``refine(value)`` may name a more precise one, and
@@ -108,13 +107,13 @@ Prompt = Annotated[
     Annotated[Text, Tag("text")] | Annotated[list[Text], Field(min_length=1), Tag("texts")]
     | Annotated[TokenIds, Tag("ids")] | Annotated[list[TokenIds], Field(min_length=1), Tag("id_lists")],
     Discriminator(_prompt_kind),
-    _one_error("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+    one_error("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
                f"token ids must be between 0 and {MAX_TOKEN_ID}"),
 ]
-Stop = Annotated[Text | list[Text], _one_error("'stop' must be a string or a list of strings")]
+Stop = Annotated[Text | list[Text], one_error("'stop' must be a string or a list of strings")]
 
 
-def _unsupported_parts(value: Any) -> PydanticCustomError | None:
+def unsupported_parts(value: Any) -> PydanticCustomError | None:
     if isinstance(value, list) and any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
         return PydanticCustomError("unsupported_content", "only text content parts are supported")
     return None
@@ -181,6 +180,9 @@ class SpeculationOptions(BaseModel):
         "per step. Default: the server's --num-draft-tokens.")
     verification: Literal["block", "token"] | None = Field(
         None, description="How sampled drafts are verified; default: the server's.")
+    provenance: bool = Field(
+        False, description="Label every token by how it was committed (accepted draft, recovered, bonus, plain) "
+        "with its step and logprob: in each streamed chunk's 'verispec.tokens', or in 'verispec.choices[i].tokens'.")
 
     @property
     def num_draft_tokens(self) -> int | str | None:
@@ -356,143 +358,3 @@ class CompletionRequest(SamplingRequest):
             raise PydanticCustomError("invalid_type", f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}] "
                                       "in the completions API")
         return value
-
-
-FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
-MAX_TOOLS = 128  # OpenAI's limit
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
-    description: Text | None = None
-    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; absent: "
-                                                                "no arguments.")
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionName
-
-
-def _json_object_text(text: str) -> str:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise PydanticCustomError("invalid_value", "a tool call's 'arguments' must be a JSON object written as a "
-                                  "string")
-    return text
-
-
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    name: Text
-    arguments: Annotated[Text, AfterValidator(_json_object_text)]
-
-
-class MessageToolCall(BaseModel):
-    """A call in an assistant message of the history, as OpenAI returned it."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    id: Text
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    role: Literal[ROLES] = Field(description="system, developer (rendered as system), user, assistant or tool.")
-    content: Annotated[Text | list[TextPart] | None,
-                       _one_error("a message's content must be a string or a list of text parts",
-                                  refine=_unsupported_parts)] = Field(
-        None, description="Text, or a list of text parts.")
-    tool_calls: list[MessageToolCall] | None = Field(None, description="An assistant message's calls.")
-    tool_call_id: Text | None = Field(None, description="A tool message: the call it answers.")
-    name: Text | None = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _assistant_calls(cls, value: list[MessageToolCall] | None, info: ValidationInfo) -> Any:
-        if value and info.data.get("role") != "assistant":
-            raise PydanticCustomError("invalid_value", "only an assistant message has 'tool_calls'")
-        return value
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as chat templates read it: developer as system, and each call's arguments as an object
-        (templates write them with ``tojson``; a string would be written quoted)."""
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
-        if self.tool_calls:
-            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
-                "name": call.function.name, "arguments": json.loads(call.function.arguments)}}
-                for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: the messages go through the model's chat template."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_INT)] | None = Field(None, description="Overrides max_tokens.")
-    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = Field(
-        None, description="Functions the model may call (the chat template must support tools).")
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="'auto' (default with tools), 'none', 'required' or {'type': 'function', 'function': "
-        "{'name': ...}}; 'required' and a named function constrain the arguments to the function's schema.")
-    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (default true).")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs_flag(cls, value: int | bool | None) -> int | bool | None:
-        if value is not None and not isinstance(value, bool):
-            raise PydanticCustomError("invalid_type", "'logprobs' must be true or false in the chat API "
-                                      "(top_logprobs gives the number of alternatives)")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value and info.data.get("logprobs") is not True:
-            raise PydanticCustomError("invalid_value", "'top_logprobs' needs 'logprobs': true")
-        return value
-
-    @property
-    def logprobs_count(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs is True else None
-
-    @property
-    def token_limit(self) -> tuple[str, int | None]:
-        if self.max_completion_tokens is not None:
-            return "max_completion_tokens", self.max_completion_tokens
-        return "max_tokens", self.max_tokens

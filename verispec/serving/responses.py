@@ -19,6 +19,16 @@ Rate = Annotated[float, AfterValidator(_finite)]  # JSON has no NaN: a rate over
 _OMITTED_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
 
 
+LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative reads as this (vLLM's convention)
+
+
+def _logprob(value: float) -> float:
+    return max(LOWEST_LOGPROB, value)
+
+
+Logprob = Annotated[float, AfterValidator(_logprob)]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = Field(description="Tokens the returned text needs (EOS included; not past a stop "
@@ -35,27 +45,40 @@ class SpeculativeStats(BaseModel):
     generated_tokens: int = Field(description="Tokens the engine generated (past a stop string too).")
 
 
+class TokenProvenance(BaseModel):
+    """How one token was committed (``"verispec": {"provenance": true}`` on the request)."""
+
+    id: int
+    token: str = Field(description="The token's text, written as in logprobs.")
+    offset: int = Field(description="Where its text starts in the choice's text.")
+    kind: Literal["accepted", "recovered", "bonus", "plain"] = Field(
+        description="accepted: drafted and kept by the target; recovered: the target's token at the first "
+        "rejected draft; bonus: the target's extra token after every draft was kept; plain: a step without drafts.")
+    step: int = Field(description="The choice's target pass (from 0) that committed it.")
+    drafted: int = Field(description="Drafts proposed in that pass.")
+    logprob: Logprob | None = Field(description="From the target's logits after penalties and logit_bias, "
+                                                "before temperature and top-k / top-p / min-p.")
+
+
+class TokenStream(BaseModel):
+    """A streamed chunk's ``verispec`` object when the request asked for provenance."""
+
+    tokens: list[TokenProvenance] = Field(description="The tokens behind this chunk's text, in order.")
+
+
 class ChoiceTelemetry(SpeculativeStats):
     index: int
     time_to_first_token_s: Rate | None = None
     total_time_s: Rate | None = None
     error: str | None = Field(**_OMITTED_IF_NONE, description="Why the engine ended the choice, if it failed.")
+    tokens: list[TokenProvenance] | None = Field(
+        **_OMITTED_IF_NONE, description="With provenance asked: the choice's tokens (streamed: those not sent yet).")
 
 
 class Telemetry(SpeculativeStats):
     """Summed over the request's choices."""
 
     choices: list[ChoiceTelemetry] | None = Field(**_OMITTED_IF_NONE)
-
-
-LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative reads as this (vLLM's convention)
-
-
-def _logprob(value: float) -> float:
-    return max(LOWEST_LOGPROB, value)
-
-
-Logprob = Annotated[float, AfterValidator(_logprob)]
 
 
 class CompletionLogprobs(BaseModel):
@@ -168,7 +191,7 @@ class _Chunk(_Body):
     or, last when ``stream_options.include_usage``, no choices and the request's usage and telemetry."""
 
     usage: Usage | None = Field(**_OMITTED_IF_NONE)
-    verispec: ChoiceTelemetry | Telemetry | None = Field(**_OMITTED_IF_NONE)
+    verispec: ChoiceTelemetry | Telemetry | TokenStream | None = Field(**_OMITTED_IF_NONE)
 
 
 class CompletionChunk(_Chunk):
