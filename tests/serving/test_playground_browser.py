@@ -136,6 +136,24 @@ def test_a_missing_or_wrong_key_shows_a_clear_message(keyed, browser) -> None:
     assert console_errors(browser, allowed=("401",)) == []
 
 
+CONTRAST = """
+const rgb = (text) => (text.match(/[\\d.]+/g) || []).map(Number);
+const luminance = ([r, g, b]) => [r, g, b].map((c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; })
+  .reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
+const background = (element) => {
+  for (let e = element; e; e = e.parentElement) {
+    const color = rgb(getComputedStyle(e).backgroundColor);
+    if (color.length === 3 || (color.length === 4 && color[3] > 0)) return color.slice(0, 3);
+  }
+  return [255, 255, 255];
+};
+return [...document.querySelectorAll('.tok, button:not(:disabled), label, .status, #token-info')].map((e) => {
+  const [a, b] = [luminance(rgb(getComputedStyle(e).color).slice(0, 3)), luminance(background(e))];
+  return [e.className || e.id || e.tagName, (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05)];
+});
+"""
+
+
 def test_readable_on_a_phone_and_every_control_labelled(keyed, browser, tmp_path) -> None:
     browser.set_window_size(390, 844)
     page.run_page(browser, keyed.url, KEY, PROMPT, mode="completion", max_tokens=30, compare=False)
@@ -146,6 +164,10 @@ def test_readable_on_a_phone_and_every_control_labelled(keyed, browser, tmp_path
         ".filter(e => !(e.labels && e.labels.length) && !e.getAttribute('aria-label') && !e.textContent.trim())"
         ".map(e => e.id || e.name)")
     assert unlabelled == []
+    # WCAG contrast of every marked token, the legend and the buttons against what is behind them (page white
+    # where their own background is transparent): at least 4.5:1, the AA level for body text.
+    ratios = browser.execute_script(CONTRAST)
+    assert ratios and all(ratio >= 4.5 for _, ratio in ratios), ratios
     assert browser.save_screenshot(str(tmp_path / "playground-phone.png"))
     keep(tmp_path / "playground-phone.png")
     assert console_errors(browser) == []
