@@ -73,10 +73,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
-    for root in graph:
+    for root, root_targets in graph.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(graph[root])))]
+        work = [(root, iter(sorted(root_targets)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)

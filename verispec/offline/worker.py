@@ -18,8 +18,8 @@ from ..core.streams import row_seed
 from ..decode import Row, SpeculativeDecoder, validate_request
 from ..factory import load
 from ..models import eos_token_ids
-from ..text import ChatTemplateError, TextState, chat_prompt_ids
 from ..telemetry import GenerationStats
+from ..text import ChatTemplateError, TextState, chat_prompt_ids
 from .store import INDEX_FIELD
 
 OUTPUT_FIELDS = ("text", "tokens", "finish_reason", "prompt_tokens", "completion_tokens", "verispec", "error")
