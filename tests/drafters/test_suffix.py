@@ -20,7 +20,10 @@ from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.drafters import CompositeDrafter, ModelDrafter, SuffixDrafter
 from verispec.drafters.suffix import ResponseTrees, SuffixSettings
+from verispec.policy import CapDecision, bucket_label, bucket_of
+from verispec.policy.sources import LOOKUP, MODEL, SourceController, SourceDecision
 from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent
+from verispec.serving.metrics import Metrics
 
 GREEDY = SamplingParams()
 
@@ -236,6 +239,91 @@ def test_suffix_then_model_composite_is_exact_and_uses_both() -> None:
     assert drafter.lookup_rows > 0 and drafter.fallback.calls > 0 and drafter.fallback_skipped > 0
 
 
+class _Alternating(SourceController):
+    """Runs the lookup plan and the model plan in turn, whatever they cost (so a test sees both, and rows of
+    both sources in one step): a row drafts its continuation where the lookup has one, else the model's drafts
+    in model steps and nothing in lookup steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turn = 0
+
+    def decide_sources(self, rows, backlog=0) -> SourceDecision:
+        self.turn += 1
+        plan = MODEL if self.turn % 2 else LOOKUP
+        sources, lengths = [], []
+        for r in rows:
+            source = LOOKUP if r.lookup_length else MODEL if plan == MODEL else None
+            sources.append(source if r.limit else None)
+            lengths.append(0 if not r.limit or source is None else
+                           min(r.limit, r.lookup_length) if source == LOOKUP else r.limit)
+        size = len(rows)
+        return SourceDecision(lengths, sources, plan, CapDecision(max(lengths), "pays", size,
+                                                                  bucket_label(bucket_of(size)), tokens=float(size)))
+
+
+def _sources_add_up(stats) -> None:
+    """Per-drafter telemetry sums to the totals; a lookup's hits are at most the rows that asked it."""
+    assert sum(c.draft_tokens for c in stats.sources.values()) == stats.draft_tokens
+    assert sum(c.accepted_tokens for c in stats.sources.values()) == stats.accepted_tokens
+    for counts in stats.sources.values():
+        assert counts.hits <= counts.consulted and counts.drafts <= counts.draft_tokens
+
+
+@pytest.mark.parametrize("controller", ["measured", "alternating"])
+def test_each_rows_source_chosen_per_step_keeps_the_greedy_output(controller: str) -> None:
+    # "auto": the decoder's source controller chooses each row's source (lookup, model or none) from what it
+    # measures; the alternating one forces lookup steps (the model idle, then catching up) and mixed steps.
+    target, partial, _ = pair("llama")
+    prompts = [repetitive_prompt(n, seed) for n, seed in ((3, 63), (8, 42))] + [prompt(6, 5)]
+    drafter = CompositeDrafter(SuffixDrafter(), ModelDrafter(partial))
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens="auto")
+    assert isinstance(decoder.controller, SourceController)
+    if controller == "alternating":
+        decoder.controller = _Alternating()
+    runs = []
+    for _ in range(2):  # the second run finds the first's answers in the tree
+        out = decoder.generate(prompts, max_new_tokens=MAX_NEW)
+        assert out.tokens == [reference_greedy(target, p, MAX_NEW) for p in prompts]
+        _sources_add_up(out.stats)
+        assert out.stats.sources["suffix"].consulted > 0 and out.stats.sources["suffix"].hits > 0
+        runs.append(out.stats.sources)
+    if controller == "alternating":
+        assert runs[0]["model"].draft_tokens > 0 and runs[0]["suffix"].accepted_tokens > 0
+        assert drafter.fallback_skipped > 0 and drafter.fallback.calls > 0
+    else:
+        assert sum(decoder.controller.snapshot()["plans"].values()) > 0
+
+
+def test_suffix_alone_reports_its_hit_rate_acceptance_and_draft_length() -> None:
+    target = pair("llama")[0]
+    decoder = SpeculativeDecoder(target, drafter=SuffixDrafter(), num_draft_tokens=4)
+    out = decoder.generate([repetitive_prompt(5, 40), prompt(6, 5)], max_new_tokens=MAX_NEW)
+    counts = out.stats.sources["suffix"]
+    assert set(out.stats.sources) == {"suffix"}
+    assert counts.draft_tokens == out.stats.draft_tokens > 0 and counts.accepted_tokens == out.stats.accepted_tokens
+    assert 0 < counts.hits < counts.consulted  # the random prompt's row finds nothing at first
+    summary = out.stats.to_dict()["sources"]["suffix"]
+    assert summary["hit_rate"] == counts.hits / counts.consulted
+    assert summary["mean_draft_length"] == counts.draft_tokens / counts.drafts
+    assert summary["acceptance_rate"] == counts.accepted_tokens / counts.draft_tokens
+
+
+def test_generate_scope_keeps_one_callers_answers_from_anothers_drafts() -> None:
+    target = pair("llama")[0]
+    drafter = SuffixDrafter(scope="key")
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
+    question = [prompt(6, 21)]
+    first = decoder.generate(question, max_new_tokens=MAX_NEW, draft_scope="A")
+    hits = drafter.response_hits
+    other = decoder.generate(question, max_new_tokens=MAX_NEW, draft_scope="B")
+    assert drafter.response_hits == hits  # B's tree holds nothing of A's answer
+    same = decoder.generate(question, max_new_tokens=MAX_NEW, draft_scope="A")
+    assert drafter.response_hits > hits  # A's own earlier answer drafts A's
+    assert first.tokens == other.tokens == same.tokens
+    assert same.stats.accepted_tokens > other.stats.accepted_tokens and same.stats.steps < other.stats.steps
+
+
 class _Collector:
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -277,6 +365,19 @@ def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
         metrics = engine.metrics()
         assert metrics["draft_tokens"] > 0 and metrics["accepted_tokens"] > 0
         assert drafter.response_hits > 0
+        # Every row that left wrote its whole answer into the global tree (drafted from by rows joining later).
+        outputs = [c.tokens for c in [first] + rest + [again]]
+        assert drafter.trees.size() == {"scopes": 1, "responses": 6, "tokens": sum(map(len, outputs))}
+        # Per-drafter telemetry: each request's finish stats, the engine's totals, /metrics by drafter.
+        assert metrics["sources"]["suffix"]["draft_tokens"] == metrics["draft_tokens"]
+        assert metrics["sources"]["suffix"]["hits"] > 0
+        served = Metrics(engine.metrics, lambda: 0)
+        for c in [first] + rest + [again]:
+            assert c.finish.stats["sources"]["suffix"]["draft_tokens"] == c.finish.stats["draft_tokens"]
+            served.count_engine_finish(c.finish.reason, c.finish.stats)
+        text = served.render().decode()
+        assert f'verispec_drafter_draft_tokens_total{{drafter="suffix"}} {float(metrics["draft_tokens"])}' in text
+        assert 'verispec_drafter_hits_total{drafter="suffix"}' in text
     finally:
         engine.shutdown()
 
@@ -483,16 +584,15 @@ def test_generate_with_suffix_drafts_equals_the_target_alone(saved, capsys) -> N
 
 def test_serve_scopes_suffix_drafts_by_key_when_keys_are_set(saved, monkeypatch) -> None:
     from verispec import cli
-    from verispec.cli import commands, common
 
     monkeypatch.delenv("VERISPEC_API_KEY", raising=False)
     seen = []
 
     def capture(args, progress=None):
-        seen.append(common.suffix_options(args))
+        seen.append(cli._suffix_options(args))
         raise cli.CliError("stop here")
 
-    monkeypatch.setattr(commands, "build_decoder", capture)
+    monkeypatch.setattr(cli, "build_decoder", capture)
     base = ["serve", "--target", saved["target"], "--draft", "suffix"]
     for extra in (["--api-key", "k1"], [], ["--api-key", "k1", "--suffix-scope", "global"]):
         assert cli.main(base + extra) == 2

@@ -25,10 +25,11 @@ from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
-from ..drafters import Drafter, Proposal
+from ..drafters import Drafter, Proposal, SourceDrafter
 from ..models.cache import CachedLM, left_pad, padded_positions
 from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
-from ..telemetry import GenerationStats
+from ..policy.sources import LOOKUP, MODEL, SourceController, SourceDecision, SourceRow
+from ..telemetry import GenerationStats, SourceCounts, count_source
 
 
 def sync(device: torch.device) -> None:
@@ -48,6 +49,7 @@ class Row:
     generator: torch.Generator | None  # None for greedy rows
     policy: GammaPolicy  # the most drafts this row may make per step
     estimate: AcceptanceEstimate | None = None  # its request's acceptance (what the controller weighs)
+    lookup_estimate: AcceptanceEstimate | None = None  # ... of a two-source drafter's lookup (policy/sources.py)
     pinned: bool = False  # drafts its policy's length whatever the controller's cap (timing-free tokens)
     on_tokens: Callable[[list[int]], None] | None = None
     verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
@@ -64,6 +66,7 @@ class Row:
     num_drafts: int = 0  # target passes in which this row had at least one draft token
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
     first_token_time: float | None = None
+    sources: dict[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share (telemetry)
     last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
 
     def count_step(self, draft_length: int, num_accepted: int) -> None:
@@ -164,12 +167,16 @@ class DecodeBatch:
         self._drop_finished()
         return cancelled
 
-    def _propose(self, k: int, uniforms: torch.Tensor | None, stop_below: list[float] | None) -> Proposal:
+    def _propose(self, k: int, uniforms: torch.Tensor | None, stop_below: list[float] | None,
+                 plan: SourceDecision | None = None) -> Proposal:
         if k == 0:
             return Proposal(torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device), None)
         t0 = time.perf_counter()
         calls = self.drafter.calls
-        proposal = self.drafter.propose(k, draft_uniforms(uniforms, k), stop_below)
+        if plan is None:
+            proposal = self.drafter.propose(k, draft_uniforms(uniforms, k), stop_below)
+        else:
+            proposal = self.drafter.propose_from(plan.sources, k, draft_uniforms(uniforms, k), stop_below)
         sync(self.device)
         self.stats.draft_calls += self.drafter.calls - calls
         self.stats.draft_time_s += time.perf_counter() - t0
@@ -210,15 +217,18 @@ class DecodeBatch:
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
         return result, (~finite & used).any(dim=-1), target_logits
 
-    def _draft_lengths(self) -> tuple[list[int], list[float] | None]:
-        """Each row's draft length this step (its policy's, capped by the controller) and, with early stops on,
-        each row's threshold (``Drafter.propose``'s ``stop_below``)."""
+    def _draft_lengths(self) -> tuple[list[int], list[float] | None, SourceDecision | None]:
+        """Each row's draft length this step (its policy's, capped by the controller), with early stops on
+        each row's threshold (``Drafter.propose``'s ``stop_below``), and with a two-source drafter each row's
+        source (``policy/sources.py``)."""
         if self.drafter is None:
-            return [0] * len(self.rows), None
+            return [0] * len(self.rows), None, None
         # A row never drafts past its remaining budget (the last token is always the target's own).
         limits = [row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in self.rows]
         if self.controller is None or not any(limits):
-            return limits, None
+            return limits, None, None
+        if isinstance(self.controller, SourceController) and isinstance(self.drafter, SourceDrafter):
+            return self._source_lengths(limits)
         # A row without an estimate (built by hand, not by ``rows_for``) cannot be weighed: it drafts its length.
         plans = [RowPlan(limit, row.estimate or self.controller.new_estimate(),
                          row.pinned or row.estimate is None, row.max_new_tokens - len(row.output))
@@ -226,15 +236,39 @@ class DecodeBatch:
         lengths, decision = self.controller.decide(plans, self.drafter.backlog())
         self.stats.record_decision(decision.to_dict())
         if not self.stop_drafting or not decision.cap:
-            return lengths, None
+            return lengths, None, None
         threshold = self.controller.stop_threshold(len(self.rows), decision.cap, decision.tokens or 1.0)
-        return lengths, [0.0 if plan.pinned else threshold for plan in plans]
+        return lengths, [0.0 if plan.pinned else threshold for plan in plans], None
+
+    def _source_lengths(self, limits: list[int]) -> tuple[list[int], list[float] | None, SourceDecision]:
+        """``_draft_lengths`` for a two-source drafter: each row's source and length from the controller."""
+        controller = self.controller
+        found, confident = self.drafter.lookup_lengths(max(limits))
+        for row in self.rows:  # the batch's rows, its own estimates of their lookups
+            if row.estimate is not None and row.lookup_estimate is None:
+                row.lookup_estimate = controller.new_lookup_estimate()
+        # A row without an estimate (built by hand, not by ``rows_for``) cannot be weighed: pinned.
+        rows = [SourceRow(limit, n, row.lookup_estimate or controller.new_lookup_estimate(),
+                          row.estimate or controller.new_estimate(), row.pinned or row.estimate is None, sure,
+                          row.max_new_tokens - len(row.output))
+                for row, limit, n, sure in zip(self.rows, limits, found, confident)]
+        plan = controller.decide_sources(rows, self.drafter.model.backlog())
+        self.stats.record_decision(plan.decision.to_dict())
+        name = self.drafter.lookup.name
+        for row, limit, n in zip(self.rows, limits, found):  # the lookup was consulted for every row
+            if limit:
+                count_source(row.sources, name, consulted=1, hits=n > 0)
+                count_source(self.stats.sources, name, consulted=1, hits=n > 0)
+        if not self.stop_drafting or not plan.model_runs:
+            return plan.lengths, None, plan
+        threshold = controller.stop_threshold(len(self.rows), plan.decision.cap, plan.decision.tokens or 1.0)
+        return plan.lengths, [0.0 if r.pinned else threshold for r in rows], plan
 
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
         step_start = time.perf_counter()
         rows = list(self.rows)
-        row_gammas, stop_below = self._draft_lengths()
+        row_gammas, stop_below, plan = self._draft_lengths()
         gamma = max(row_gammas)
         uniforms = draw_uniforms([row.generator for row in rows], row_gammas, gamma, self.device)
         draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
@@ -242,9 +276,9 @@ class DecodeBatch:
         wait_start = time.perf_counter()
         with self._model_lock:
             waited = time.perf_counter() - wait_start  # another batch's pass: not this step's latency
-            if gamma > 0:
-                catch_up = self._catch_up()
-            proposal = self._propose(gamma, uniforms, stop_below)
+            if gamma > 0 and (plan is None or plan.model_runs):
+                catch_up = self._catch_up(plan)
+            proposal = self._propose(gamma, uniforms, stop_below, plan)
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
             lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
@@ -261,20 +295,42 @@ class DecodeBatch:
         logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
         self.stats.verify_time_s += time.perf_counter() - t0
         record = StepRecord(k, [h[1] for h in host], [h[0] for h in host])
+        if k:
+            self._count_sources(proposal, row_gammas, record, plan, rows)
         finished, callbacks = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
         if self.controller is not None:  # whole steps as they ran, less what was not this step's work
             seconds = time.perf_counter() - step_start - waited - callbacks - (catch_up[1] if catch_up else 0.0)
-            self.controller.observe_step(len(rows), k, seconds, catch_up)
-            self.controller.observe_rows([(row.estimate, n, kept) for row, n, kept in
-                                          zip(rows, record.row_draft_lengths, record.row_accepted)
-                                          if n and row.estimate is not None])
+            if plan is None:
+                self.controller.observe_step(len(rows), k, seconds, catch_up)
+            else:
+                self.controller.observe_plan_step(plan.plan, len(rows), k, seconds, catch_up)
+            estimates = [row.estimate if plan is None or plan.sources[b] != LOOKUP else row.lookup_estimate
+                         for b, row in enumerate(rows)]
+            self.controller.observe_rows([(estimate, n, kept) for estimate, n, kept in
+                                          zip(estimates, record.row_draft_lengths, record.row_accepted)
+                                          if n and estimate is not None])
         return finished
 
-    def _catch_up(self) -> tuple[int, float] | None:
-        """The drafter's backlog pass, timed apart: it is paid once, not per draft."""
+    def _count_sources(self, proposal: Proposal, caps: list[int], record: StepRecord, plan: SourceDecision | None,
+                       rows: list[Row]) -> None:
+        """Per drafter, each row's share of this step (``GenerationStats.sources``, ``Row.sources``): a lookup
+        consulted by ``_source_lengths`` is counted there, a plain drafter here for every row it was asked."""
+        names = proposal.sources or [self.drafter.name] * len(rows)
+        for row, name, cap, length, kept in zip(rows, names, caps, record.row_draft_lengths, record.row_accepted):
+            if name is None or (plan is None and not cap):
+                continue
+            asked = 0 if plan is not None and name == self.drafter.lookup.name else 1
+            values = dict(consulted=asked, hits=asked and length > 0, draft_length=length, accepted=kept)
+            count_source(row.sources, name, **values)
+            count_source(self.stats.sources, name, **values)
+
+    def _catch_up(self, plan: SourceDecision | None = None) -> tuple[int, float] | None:
+        """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,
+        its model's, in a step where the model runs)."""
+        drafter = self.drafter if plan is None else self.drafter.model
         t0 = time.perf_counter()
         calls = self.drafter.calls
-        fed = self.drafter.catch_up()
+        fed = drafter.catch_up()
         sync(self.device)
         seconds = time.perf_counter() - t0
         self.stats.draft_calls += self.drafter.calls - calls

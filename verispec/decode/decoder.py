@@ -19,7 +19,7 @@ import functools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +28,11 @@ from transformers import PreTrainedModel
 from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
-from ..drafters import Drafter, ModelDrafter
+from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.cache import CachedLM, model_device
 from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
+from ..policy.sources import SourceController
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, Row, sync
 from .requests import ModelLimits, Request, validate_request
@@ -79,6 +80,11 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
             "speculative decoding needs the same tokenizer"
         )
     return smaller
+
+
+def _new_controller(drafter: object) -> SpeculationController:
+    """A drafter's speculation controller: a two-source drafter's chooses each row's source too."""
+    return SourceController() if isinstance(drafter, SourceDrafter) else SpeculationController()
 
 
 class _DrafterLeases:
@@ -149,7 +155,7 @@ class SpeculativeDecoder:
         # One speculation controller per drafter, living as long as the decoder: the engine's batches and
         # every generate call with that drafter feed and read it. Drafts passed per call get their own (their
         # cost and acceptance are not the default draft's), keyed weakly so a dropped draft frees its entry.
-        self.controller = SpeculationController()
+        self.controller = _new_controller(self.drafter)
         self._controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
@@ -185,7 +191,7 @@ class SpeculativeDecoder:
             return self.controller
         controller = self._controllers.get(draft)
         if controller is None:
-            controller = self._controllers[draft] = SpeculationController()
+            controller = self._controllers[draft] = _new_controller(draft)
         return controller
 
     def rows_for(self, request: Request, keys: Sequence[int], *, draft: object = _USE_DECODER_DRAFT,
@@ -268,6 +274,7 @@ class SpeculativeDecoder:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         grammar: object | None = None,
+        draft_scope: Hashable | None = None,
     ) -> GenerateOutput:
         """Generate up to ``max_new_tokens`` tokens per row.
 
@@ -295,12 +302,15 @@ class SpeculativeDecoder:
         ``grammar`` (a ``verispec.core.grammar.Grammar``: JSON schema, JSON object, regex or Lark): every row's
         output follows it, exactly under speculation (each row gets a fresh copy); give the tokenizer's EOS as
         ``eos_token_id``, the only token allowed once the grammar is complete.
+        ``draft_scope`` (any hashable, e.g. a tenant's id; None: the anonymous scope): whose earlier responses a
+        suffix drafter built with scope "key" drafts from (``drafters/suffix.py``); drafts never change the
+        output, only its speed. Other drafters ignore it.
         """
         verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)
         request = validate_request(limits, input_ids, SamplingParams(
             temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-            logit_bias or (), min_tokens, tuple(stop_token_ids), grammar), max_new_tokens,
+            logit_bias or (), min_tokens, tuple(stop_token_ids), grammar, draft_scope), max_new_tokens,
                                    eos_token_id, seed, attention_mask, logprobs)
         if num_draft_tokens is not None:  # checked even when the target runs alone
             make_gamma_policy(num_draft_tokens)

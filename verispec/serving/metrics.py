@@ -6,6 +6,8 @@ when the metrics are scraped; HTTP and client-side counts and the latency histog
 The speculative counters follow vLLM's: drafts (blocks of draft tokens: a request's target passes that
 scored at least one draft), draft tokens, accepted tokens, and accepted tokens per draft position (0: the
 first draft of a block), so that ``accepted_per_position[i] / drafts`` is the chance that draft i is kept.
+The same counts per drafter (label ``drafter``: "model", "suffix", "ngram", ...; a composite's lookup and model
+apart), with the row steps that asked it for a draft and those where it had one (a lookup's hit rate).
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ class Metrics:
             "verispec_accepted_tokens_per_position_total",
             "Draft tokens accepted at each position of their block (0: the first draft).", ["position"],
             registry=registry)
+        by_drafter = [("consulted", "Row steps that asked this drafter for a draft."),
+                      ("hits", "Row steps where this drafter had a draft (a lookup found a continuation)."),
+                      ("drafts", "Blocks of this drafter's draft tokens scored by the target."),
+                      ("draft_tokens", "Draft tokens this drafter proposed."),
+                      ("accepted_tokens", "Draft tokens of this drafter the target accepted.")]
+        self.by_drafter = {name: Counter(f"verispec_drafter_{name}_total", text, ["drafter"], registry=registry)
+                           for name, text in by_drafter}
         self._totals_lock = threading.Lock()
         self._draft_total = self._accepted_total = 0  # for the acceptance-rate gauge
         Gauge("verispec_acceptance_rate", "Accepted / proposed draft tokens since the start.",
@@ -124,6 +133,9 @@ class Metrics:
         self.accepted_tokens.inc(accepted)
         for position, count in enumerate(stats.get("accepted_per_position", ())):
             self.accepted_per_position.labels(str(position)).inc(int(count))
+        for drafter, counts in stats.get("sources", {}).items():
+            for name, counter in self.by_drafter.items():
+                counter.labels(drafter).inc(int(counts.get(name, 0)))
         with self._totals_lock:
             self._draft_total += draft
             self._accepted_total += accepted
