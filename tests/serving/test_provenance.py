@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from qwen_support import save_qwen_style_pair, serve_qwen_style
 from serving_support import EOS, MODEL, expected_tokens, post
 
 from verispec.serving.provenance import Block
@@ -152,3 +153,34 @@ def test_a_stop_string_cuts_the_labels_with_the_text(live) -> None:
 def test_block_labels(draft_length, accepted, kinds) -> None:
     block = Block(5, draft_length, accepted)
     assert [block.kind(i) for i in range(accepted + 1)] == kinds
+
+
+@pytest.fixture(scope="module")
+def qwen_live(tmp_path_factory):
+    """Byte-level BPE (tokens can hold part of a UTF-8 character), with a fixed draft length."""
+    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp("qwen-provenance")), num_draft_tokens=3)
+    yield server
+    server.close()
+    server.engine.shutdown()
+
+
+def test_byte_level_tokens_match_the_logprobs_field_and_slice_the_text(qwen_live) -> None:
+    """Tokens holding part of a character: entries read as the logprobs field's (the end token, which has no
+    text, aside), and the slices between offsets join to the text, streamed or not."""
+    partial = 0
+    for seed in range(6):
+        body = {"model": "tiny-qwen", "prompt": "Ça coûte 5 € 中文", "max_tokens": 24, "temperature": 1.0,
+                "seed": seed, "logprobs": 1, "verispec": {"provenance": True}}
+        whole = post(qwen_live, "/v1/completions", body).json()
+        text, logprobs = whole["choices"][0]["text"], whole["choices"][0]["logprobs"]
+        tokens = whole["verispec"]["choices"][0]["tokens"]
+        with_text = [t for t in tokens if t["token"] not in ("<|im_end|>", "<|endoftext|>")]
+        assert [t["token"] for t in with_text] == logprobs["tokens"]
+        assert [t["offset"] for t in with_text] == logprobs["text_offset"]
+        assert [t["logprob"] for t in with_text] == pytest.approx(logprobs["token_logprobs"], abs=1e-6)
+        offsets = [t["offset"] for t in tokens] + [len(text)]
+        assert "".join(text[a:b] for a, b in zip(offsets, offsets[1:])) == text
+        partial += sum(t["token"].startswith("bytes:") for t in tokens)
+        streamed_text, streamed, _ = streamed_choice(stream(qwen_live, "/v1/completions", body))
+        assert (streamed_text, streamed) == (text, tokens)
+    assert partial  # the random model emits tokens holding parts of characters
