@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--out", required=True, help="the PNG to write")
-    parser.add_argument("--key", default=os.environ.get("VERISPEC_API_KEY"), help="API key (default: $VERISPEC_API_KEY)")
+    parser.add_argument("--key", default=os.environ.get("VERISPEC_API_KEY"),
+                        help="API key (default: $VERISPEC_API_KEY)")
     parser.add_argument("--prompt", default="Write a Python function that checks whether a number is prime.")
     parser.add_argument("--mode", choices=["chat", "completion"], default="chat")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -28,7 +28,8 @@ KINDS = {"accepted", "recovered", "bonus", "plain"}
 
 
 def _screenshot_module():
-    spec = importlib.util.spec_from_file_location("playground_screenshot", ROOT / "benchmarks" / "playground_screenshot.py")
+    script = ROOT / "benchmarks" / "playground_screenshot.py"
+    spec = importlib.util.spec_from_file_location("playground_screenshot", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -138,7 +139,8 @@ def test_a_missing_or_wrong_key_shows_a_clear_message(keyed, browser) -> None:
 
 CONTRAST = """
 const rgb = (text) => (text.match(/[\\d.]+/g) || []).map(Number);
-const luminance = ([r, g, b]) => [r, g, b].map((c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; })
+const linear = (c) => { c /= 255; return c <= 0.03928 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4; };
+const luminance = ([r, g, b]) => [r, g, b].map(linear)
   .reduce((sum, c, i) => sum + c * [0.2126, 0.7152, 0.0722][i], 0);
 const background = (element) => {
   for (let e = element; e; e = e.parentElement) {
@@ -157,7 +159,8 @@ return [...document.querySelectorAll('.tok, button:not(:disabled), label, .statu
 def test_readable_on_a_phone_and_every_control_labelled(keyed, browser, tmp_path) -> None:
     browser.set_window_size(390, 844)
     page.run_page(browser, keyed.url, KEY, PROMPT, mode="completion", max_tokens=30, compare=False)
-    widths = browser.execute_script("return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+    widths = browser.execute_script(
+        "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
     assert widths[0] <= widths[1], widths  # no sideways scrolling
     unlabelled = browser.execute_script(
         "return [...document.querySelectorAll('input, select, textarea, button')]"
