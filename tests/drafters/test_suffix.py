@@ -625,3 +625,24 @@ def test_the_guard_tells_the_app_which_key_authorised_a_request() -> None:
     for key in ("second", "first", "wrong", None):
         asyncio.run(call(key))
     assert seen == [1, 0]  # the refused requests never reach the app
+
+
+def test_verispec_batch_with_suffix_drafts_writes_the_target_alones_tokens(saved, tmp_path) -> None:
+    import json
+
+    from verispec.offline.job import run_batch
+    from verispec.offline.worker import JobDefaults
+
+    texts = ["def x ( y ) : return x ( y ) + x ( y", "if x : print ( x ) else : print ( y ) if x :",
+             "for x in y : print ( x ) for x in y :", "def y ( x ) : return y ( x ) - y ( x"]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": t}) + "\n" for i, t in enumerate(texts)))
+    out = {}
+    for name, draft in ((None, None), ("suffix", "suffix"), ("composite", "suffix+" + saved["draft"])):
+        path = tmp_path / f"{name}.jsonl"
+        run_batch(saved["target"], draft, input_path=source, output_path=path, batch_size=2,
+                  defaults=JobDefaults(max_tokens=12), progress=False, fast=False, suffix_cache_size=3)
+        out[name] = {row["input_index"]: row for row in map(json.loads, path.read_text().splitlines())}
+    for name in ("suffix", "composite"):
+        assert [out[name][i]["tokens"] for i in range(4)] == [out[None][i]["tokens"] for i in range(4)]
+        assert sum(row["verispec"]["draft_tokens"] for row in out[name].values()) > 0
