@@ -233,19 +233,27 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
                 dropped, self._dropped = self._dropped, []
                 joining_rows = self._admit_locked()
-            finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
-            before: dict[int, tuple[int, Any]] = {}
-            try:
-                before = self._snapshot(joining_rows)
-                self._turn(cancelled, joining_rows, finished)
-            except Exception as error:  # noqa: BLE001 - an internal failure ends the rows that cause it, never the engine
-                self._isolate(error, joining_rows, finished, before)
-            self._release_delivered()
-            with self._cv:
-                for row in finished:
-                    self._finish_locked(row)
-                self.running = len(self._batch.rows) if self._batch is not None else 0
+            self._run_turn(cancelled, dropped, joining_rows)
+            # While the loop waits for work, no row of the turn stays alive in this frame: a row's callback holds
+            # its HTTP request (text, parser, event queue), so an idle engine would keep the last batch's requests.
+            del cancelled, dropped, joining_rows
         self._finish_everything()
+
+    def _run_turn(self, cancelled: set[int], dropped: list[_Pending], joining_rows: list[Row]) -> None:
+        """One turn (``_turn``), a failure isolated to the rows that cause it; every row the turn ends is
+        reported."""
+        finished = [pending.row for pending in dropped]  # everything this turn ends, whatever happens
+        before: dict[int, tuple[int, Any]] = {}
+        try:
+            before = self._snapshot(joining_rows)
+            self._turn(cancelled, joining_rows, finished)
+        except Exception as error:  # noqa: BLE001 - an internal failure ends the rows that cause it, never the engine
+            self._isolate(error, joining_rows, finished, before)
+        self._release_delivered()
+        with self._cv:
+            for row in finished:
+                self._finish_locked(row)
+            self.running = len(self._batch.rows) if self._batch is not None else 0
 
     def _turn(self, cancelled: set[int], joining: list[Row], finished: list[Row]) -> None:
         """Cancel, join (``joining``, then the requests that arrived meanwhile, appended to it), step.
