@@ -29,7 +29,7 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
-from ..models.cache import CachedLM, model_device
+from ..models.cache import model_device, new_cache
 from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.sources import SourceController
@@ -80,6 +80,13 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
             "speculative decoding needs the same tokenizer"
         )
     return smaller
+
+
+def _target_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
+    """A target's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
+    if hasattr(model, "new_cache"):  # a backend's model (llama.cpp's LlamaModel) describes itself
+        return model.vocab_size, model.vocab_size, model.max_positions, model.max_positions_reason
+    return (model_vocab_size(model), model.get_input_embeddings().weight.shape[0], *position_limit(model))
 
 
 def _new_controller(drafter: object) -> SpeculationController:
@@ -145,7 +152,7 @@ class SpeculativeDecoder:
             raise ValueError("pass either draft_model or drafter, not both")
         self.target_model = target_model.eval()
         self.device = model_device(target_model)
-        CachedLM(target_model)  # refuses models whose cache cannot be rolled back, before any work
+        new_cache(target_model, check=True)  # refuses models whose cache cannot be rolled back, before any work
         self._vocab_size_arg = vocab_size
         self.limits = self._limits_with(draft_model)
         self.drafter = ModelDrafter(draft_model.eval()) if draft_model is not None else drafter
@@ -168,9 +175,7 @@ class SpeculativeDecoder:
 
     def _limits_with(self, draft_model: PreTrainedModel | None) -> ModelLimits:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
-        target_vocab = model_vocab_size(self.target_model)
-        input_limit = self.target_model.get_input_embeddings().weight.shape[0]
-        positions, reason = position_limit(self.target_model)
+        target_vocab, input_limit, positions, reason = _target_shape(self.target_model)
         if draft_model is None:
             vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
             return ModelLimits(vocab, input_limit, positions, reason)

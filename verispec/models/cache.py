@@ -29,7 +29,16 @@ from .capability import UNROLLABLE_LAYERS, UnsupportedModelError, position_limit
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
+    if not isinstance(model, torch.nn.Module):  # a backend's model (llama.cpp's LlamaModel) says where it runs
+        return model.device
     return next(model.parameters()).device
+
+
+def new_cache(model: PreTrainedModel, check: bool = False):
+    """A cache for one batch of ``model``'s rows: a ``CachedLM``, or the backend's own for a model that opens its
+    caches itself (``model.new_cache()``: the llama.cpp backend's ``LlamaModel``, same contract)."""
+    opener = getattr(model, "new_cache", None)
+    return opener() if opener is not None else CachedLM(model, check)
 
 
 def max_positions(model: PreTrainedModel) -> int | None:
@@ -110,6 +119,15 @@ class CachedLM:
             logits_to_keep=num_logits or 0,
         )
         return out.logits.float()
+
+    def prefill(self, prompts: list[list[int]]) -> bool:
+        """Fresh rows: append every prompt token but the last (which opens the row's first block), computing no
+        logits anyone reads. Returns whether the model ran."""
+        ids, mask = left_pad([p[:-1] for p in prompts])  # [B, T-1]
+        if ids.shape[1] == 0:
+            return False
+        self.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
+        return True
 
     @torch.inference_mode()
     def rollback(self, num_kept: list[int], num_new: int) -> None:

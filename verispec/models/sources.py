@@ -109,22 +109,28 @@ def _hf_cache_key(gguf: Path, sha256: str | None) -> str:
     return f"{gguf.stem[:40]}-{sha256[:16]}-tf{transformers.__version__}"
 
 
+def gguf_tokenizer(gguf: Path, sha256: str | None, cache: Path, progress: Progress | None) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer converted from a GGUF's vocabulary (once, then cached under ``cache``)."""
+    from transformers import AutoTokenizer
+
+    tok_dir = cache / "hf" / _hf_cache_key(gguf, sha256) / "tokenizer"
+    if (tok_dir / "tokenizer_config.json").is_file():
+        say(progress, f"loading tokenizer from cache {tok_dir}")
+        return AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    say(progress, f"converting tokenizer from {gguf.name} (done once, then cached) ...")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    save_atomic_dir(tok_dir, lambda d: tokenizer.save_pretrained(str(d)))
+    return tokenizer
+
+
 def _load_gguf(
     gguf: Path, sha256: str | None, dtype: torch.dtype, cache: Path, progress: Progress | None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     folder, fname = str(gguf.parent), gguf.name
-    hf = cache / "hf" / _hf_cache_key(gguf, sha256)
-    tok_dir, cfg_dir = hf / "tokenizer", hf / "config"
-
-    if (tok_dir / "tokenizer_config.json").is_file():
-        say(progress, f"loading tokenizer from cache {tok_dir}")
-        tokenizer = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-    else:
-        say(progress, f"converting tokenizer from {fname} (done once, then cached) ...")
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
-        save_atomic_dir(tok_dir, lambda d: tokenizer.save_pretrained(str(d)))
+    cfg_dir = cache / "hf" / _hf_cache_key(gguf, sha256) / "config"
+    tokenizer = gguf_tokenizer(gguf, sha256, cache, progress)
 
     # For llama/qwen2, transformers builds the config by parsing every GGUF field (including the
     # 150k-entry vocabulary) in Python; a cached config.json skips one of those passes.
@@ -257,6 +263,29 @@ def _source(name_or_path: str) -> tuple[str, Path]:
         f"{name_or_path!r} is neither a zoo model nor an existing path nor a Hugging Face Hub id "
         f"(owner/name); known zoo models: {', '.join(zoo.ZOO)}"
     )
+
+
+def gguf_source(name_or_path: str, progress: Progress | None = None, *,
+                cache: Path | None = None) -> tuple[Path, str | None] | None:
+    """``(GGUF file, its sha256 if the zoo knows it)`` for a zoo name, a ``.gguf`` file or a folder holding one
+    (a zoo model is installed and verified first); None for any other model. :class:`ZooError` as
+    :func:`check_source`."""
+    from . import zoo
+
+    kind, path = _source(name_or_path)
+    if kind == "zoo":
+        entry = zoo.ZOO[name_or_path]
+        return zoo.resolve_gguf(entry.name, progress=progress, cache=cache or zoo.cache_root()), entry.sha256
+    return (path, None) if kind == "gguf" else None
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` names a GGUF (a zoo name, a ``.gguf`` file, a folder holding one), without
+    installing or reading anything; False for names :func:`check_source` refuses."""
+    try:
+        return _source(name_or_path)[0] in ("zoo", "gguf")
+    except ZooError:
+        return False
 
 
 def check_source(name_or_path: str) -> None:

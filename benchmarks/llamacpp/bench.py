@@ -1,0 +1,270 @@
+"""verispec on llama.cpp's kernels vs llama.cpp's own tools, on the same GGUF (issue 28).
+
+For each prompt (general: ``benchmarks/prompts.json``; repetitive: edits of standard-library code that copy
+their input, built by ``repetitive_prompts``), greedy, ``--max-new-tokens`` tokens:
+
+- ``vs_alone``: verispec's loop on the llama.cpp backend with no draft (llama.cpp's plain decoding through
+  verispec's loop, c = 0);
+- ``vs_<draft>``: the same with a free draft (``ngram`` prompt lookup, ``suffix``), the speculation controller on;
+- ``llama_plain``: ``llama-bench -p 0 -n N -d <prompt length>`` (tokens/s of plain decoding at that depth);
+- ``llama_<spec-type>``: ``llama-speculative-simple --spec-type T`` (decoded tokens/s as it reports it).
+
+Peak RSS: the verispec part runs in a child process (``os.wait4``'s ``ru_maxrss``), as does each llama.cpp tool.
+Greedy outputs of verispec with and without the draft are compared token for token, and with llama.cpp's
+plain greedy loop (``greedy_reference``) on the first repeat.
+
+    python benchmarks/llamacpp/bench.py --bin /tmp/lcp/build/bin --out benchmarks/llamacpp/results/run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+# Standard-library functions the model is asked to copy with a small change: material none of us wrote.
+REPETITIVE_SOURCES = [
+    ("textwrap", "dedent", "Rename the variable `margin` to `common_prefix` everywhere"),
+    ("bisect", "insort_right", "Rename the parameter `hi` to `upper`"),
+    ("heapq", "nsmallest", "Rename the parameter `iterable` to `values`"),
+    ("colorsys", "rgb_to_hls", "Rename the function to `rgb_to_hue_lightness_saturation`"),
+]
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def repetitive_prompts() -> list[dict]:
+    import importlib
+
+    prompts = []
+    for module, name, instruction in REPETITIVE_SOURCES:
+        source = inspect.getsource(getattr(importlib.import_module(module), name))
+        prompts.append({"kind": "repetitive", "chat": True,
+                        "text": f"{instruction} in this Python code and output the whole code, nothing else.\n\n"
+                                f"```python\n{source}```"})
+    return prompts
+
+
+def load_prompts(args) -> list[dict]:
+    general = json.loads((ROOT / "benchmarks" / "prompts.json").read_text())
+    chosen = []
+    for kind in ("completion", "edit", "chat"):
+        chosen += [p for p in general if p["kind"] == kind][: args.per_kind]
+    return chosen + repetitive_prompts()[: args.repetitive]
+
+
+def prompt_text(tokenizer, prompt: dict) -> str:
+    if prompt.get("chat") or prompt["kind"] in ("chat", "repetitive"):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}],
+                                             add_generation_prompt=True, tokenize=False)
+    return prompt["text"]
+
+
+# ------------------------------------------------------------------------------------------ verispec (child)
+
+
+def run_verispec(args) -> dict:
+    from verispec import eos_token_ids
+    from verispec.factory import load
+    from verispec.models.llamacpp import LlamaSettings, greedy_reference
+
+    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack)
+    decoders = {}
+    t0 = time.perf_counter()
+    base, tokenizer = load(args.target, None, backend="llama.cpp", llama_settings=settings, calibrate=False)
+    load_s = time.perf_counter() - t0
+    model = base.target_model
+    eos = eos_token_ids(tokenizer, model)
+    for draft in args.drafts:
+        from verispec import SpeculativeDecoder
+        from verispec.factory import split_suffix_draft
+
+        if draft == "ngram":
+            from verispec.drafters import NGramDrafter
+
+            decoders[draft] = SpeculativeDecoder(model, drafter=NGramDrafter(), vocab_size=len(tokenizer))
+        elif split_suffix_draft(draft)[0]:
+            from verispec.drafters.suffix import SuffixDrafter
+
+            decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(), vocab_size=len(tokenizer))
+    records = []
+    prompts = load_prompts(args)
+    warm = tokenizer(prompt_text(tokenizer, prompts[0]))["input_ids"]
+    base.generate([warm], max_new_tokens=8, eos_token_id=eos)
+    for decoder in decoders.values():
+        decoder.generate([warm], max_new_tokens=8, eos_token_id=eos)
+    for repeat in range(args.repeats):
+        for index, prompt in enumerate(prompts):
+            ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+            record = {"prompt": index, "kind": prompt["kind"], "repeat": repeat, "prompt_tokens": len(ids)}
+            t0 = time.perf_counter()
+            alone = base.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+            record["vs_alone"] = {"tokens": len(alone.tokens[0]), "seconds": time.perf_counter() - t0}
+            if repeat == 0:
+                reference = greedy_reference(model, ids, args.max_new_tokens, eos)
+                record["alone_equals_llama_plain_loop"] = reference == alone.tokens[0]
+            for name, decoder in decoders.items():
+                t0 = time.perf_counter()
+                out = decoder.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+                seconds = time.perf_counter() - t0
+                stats = out.stats
+                record[f"vs_{name}"] = {"tokens": len(out.tokens[0]), "seconds": seconds,
+                                        "identical": out.tokens[0] == alone.tokens[0],
+                                        "draft_tokens": stats.draft_tokens, "accepted": stats.accepted_tokens,
+                                        "target_calls": stats.target_calls}
+            log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
+                + ", ".join(f"{k} {v['tokens'] / v['seconds']:.1f} tok/s" for k, v in record.items()
+                            if isinstance(v, dict)))
+            records.append(record)
+    return {"load_seconds": load_s, "regime": model.regime.__dict__, "records": records,
+            "prompts": [prompt_text(tokenizer, p) for p in prompts]}
+
+
+# ---------------------------------------------------------------------------------------- llama.cpp (tools)
+
+
+def run_tool(command: list[str], timeout: float) -> tuple[str, int, float]:
+    """(stdout + stderr, peak RSS in kB, seconds) of one tool run."""
+    t0 = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+    _, _, usage = os.wait4(process.pid, 0) if process.returncode is None else (0, 0, None)
+    rss = usage.ru_maxrss if usage else _child_rss()
+    return out, rss, time.perf_counter() - t0
+
+
+def _child_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+
+
+def llama_bench(args, gguf: str, depth: int) -> dict:
+    command = [str(Path(args.bin) / "llama-bench"), "-m", gguf, "-p", "0", "-n", str(args.max_new_tokens),
+               "-d", str(depth), "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", "-fa", "1"]
+    out, rss, seconds = run_tool(command, 600)
+    start = out.find("[")
+    rows = json.loads(out[start:]) if start >= 0 else []
+    samples = rows[0]["samples_ts"] if rows else []
+    return {"command": " ".join(command), "samples_tok_s": samples, "rss_kb": rss, "seconds": seconds,
+            "raw_tail": None if rows else out[-2000:]}
+
+
+def llama_speculative(args, gguf: str, draft_gguf: str | None, spec_type: str, text: str) -> dict:
+    command = [str(Path(args.bin) / "llama-speculative-simple"), "-m", gguf, "-p", text, "-n",
+               str(args.max_new_tokens), "--temp", "0", "-t", str(args.threads), "-c", str(args.n_ctx),
+               "--spec-type", spec_type, "-fa", "on", "--no-warmup"]
+    if draft_gguf is not None and spec_type == "draft-simple":
+        command += ["-md", draft_gguf]
+    out, rss, seconds = run_tool(command, 600)
+    match = re.search(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s", out)
+    accept = re.search(r"accept\s*=\s*([\d.]+)%", out)
+    return {"command": " ".join(command[:4] + ["<prompt>"] + command[5:]), "rss_kb": rss, "seconds": seconds,
+            "decoded": int(match.group(1)) if match else None, "tok_s": float(match.group(3)) if match else None,
+            "accept_pct": float(accept.group(1)) if accept else None, "raw_tail": None if match else out[-2000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b", help="for llama.cpp's draft-simple")
+    parser.add_argument("--drafts", nargs="*", default=["ngram", "suffix"])
+    parser.add_argument("--bin", default="/tmp/lcp/build/bin", help="llama.cpp tools built from the same source")
+    parser.add_argument("--spec-types", nargs="*", default=["ngram-simple", "ngram-mod", "draft-simple"])
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--per-kind", type=int, default=1, help="general prompts per kind")
+    parser.add_argument("--repetitive", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--repack", action="store_true")
+    parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.verispec_only:
+        args.out.write_text(json.dumps(run_verispec(args), indent=1))
+        return 0
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    part = args.out.with_suffix(".verispec.json")
+    child = [sys.executable, __file__, "--verispec-only", "--out", str(part)] + [
+        a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--out", str(args.out))]
+    log("verispec (child process)")
+    output, rss, seconds = run_tool(child, 3600)
+    sys.stderr.write(output[-4000:])
+    verispec = json.loads(part.read_text())
+    verispec["rss_kb"], verispec["seconds"] = rss, seconds
+    results = {"machine": cpu_name(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+               "repeats": args.repeats, "repack": args.repack, "command": " ".join([sys.executable, *sys.argv]),
+               "verispec": verispec, "llama": []}
+    if not args.skip_llama:
+        from verispec.models.sources import gguf_source
+
+        gguf = str(gguf_source(args.target)[0])
+        draft_gguf = str(gguf_source(args.draft_model)[0]) if args.draft_model else None
+        for index, text in enumerate(verispec["prompts"]):
+            tokens = next(r["prompt_tokens"] for r in verispec["records"] if r["prompt"] == index)
+            entry = {"prompt": index, "plain": llama_bench(args, gguf, tokens)}
+            log(f"llama-bench prompt {index}: {entry['plain']['samples_tok_s']}")
+            for spec_type in args.spec_types:
+                entry[spec_type] = llama_speculative(args, gguf, draft_gguf, spec_type, text)
+                log(f"llama-speculative-simple {spec_type} prompt {index}: {entry[spec_type]['tok_s']} tok/s")
+            results["llama"].append(entry)
+    results["summary"] = summarise(results)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results["summary"], indent=1))
+    return 0
+
+
+def summarise(results: dict) -> dict:
+    """Per prompt: tokens/s of each method (median over repeats) and ratios to llama.cpp plain."""
+    rows = {}
+    for record in results["verispec"]["records"]:
+        row = rows.setdefault(record["prompt"], {"kind": record["kind"], "prompt_tokens": record["prompt_tokens"]})
+        for key, value in record.items():
+            if isinstance(value, dict) and "seconds" in value:
+                row.setdefault(key, []).append(value["tokens"] / value["seconds"])
+    for entry in results["llama"]:
+        row = rows[entry["prompt"]]
+        row["llama_plain"] = entry["plain"]["samples_tok_s"]
+        for key, value in entry.items():
+            if isinstance(value, dict) and "tok_s" in value and value["tok_s"] is not None:
+                row.setdefault(f"llama_{key}", []).append(value["tok_s"])
+    for row in rows.values():
+        for key in [k for k, v in row.items() if isinstance(v, list) and v]:
+            row[key] = round(statistics.median(row[key]), 2)
+        plain = row.get("llama_plain")
+        if isinstance(plain, float) and plain > 0:
+            row["ratios_to_llama_plain"] = {k: round(v / plain, 3) for k, v in row.items()
+                                            if isinstance(v, float) and k != "llama_plain"}
+    return {"per_prompt": rows, "verispec_rss_kb": results["verispec"]["rss_kb"],
+            "llama_rss_kb": {k: max((e[k]["rss_kb"] for e in results["llama"] if k in e), default=None)
+                             for k in ["plain", "ngram-simple", "ngram-mod", "draft-simple"]}}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

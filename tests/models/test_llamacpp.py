@@ -1,0 +1,331 @@
+"""The llama.cpp backend (``verispec/models/llamacpp.py``) on a tiny GGUF the tests write themselves.
+
+The GGUF is a 2-layer llama-architecture model whose weights come from a tiny random ``LlamaForCausalLM``
+(Q4_0 matrices, so weight repacking and its batch-size regimes apply as on real files), with a 272-token
+byte-level BPE vocabulary; the same ``LlamaForCausalLM`` in float32, slightly perturbed, is a torch draft that
+agrees with it partly (so blocks are partly accepted: where rollback bugs show).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/llamacpp.md)")
+gguf = pytest.importorskip("gguf")
+
+from stats.chi_square import chi2_pvalue  # noqa: E402
+from tiny_models import perturbed  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
+
+from verispec import LoadError, SpeculativeDecoder  # noqa: E402
+from verispec.core.sampling import SamplingParams, probs_from_logits  # noqa: E402
+from verispec.drafters import ModelDrafter  # noqa: E402
+from verispec.models.llamacpp import LlamaCache, LlamaModel, LlamaSettings, greedy_reference  # noqa: E402
+
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"), ("o", "n"),
+          ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "r"), ("Ġ", "w"), ("e", "s")]
+TOKENS = [*bytes_to_unicode().values(), *(a + b for a, b in MERGES), "<|endoftext|>"]
+VOCAB = len(TOKENS)  # 272
+EOS = VOCAB - 1
+
+
+def tiny_hf_model(seed: int = 0) -> LlamaForCausalLM:
+    """A tiny llama with peaked distributions (scaled embeddings and head), so greedy paths are not near-ties."""
+    torch.manual_seed(seed)  # construction only
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(50.0)
+        model.lm_head.weight.mul_(10.0)
+        for layer in model.model.layers:
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+                linear.weight.mul_(5.0)
+    return model
+
+
+def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's rotary layout (halves) to GGUF llama's (pairs), as llama.cpp's converter does."""
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(
+        weights.shape)
+
+
+def write_gguf(model: LlamaForCausalLM, path) -> None:
+    """``model`` as a llama-architecture GGUF: Q4_0 matrices, float32 embeddings and norms, this vocabulary."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("verispec-tiny")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(VOCAB)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([1] * (VOCAB - 1) + [3])
+    writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
+    writer.add_bos_token_id(EOS)
+    writer.add_eos_token_id(EOS)
+    writer.add_add_bos_token(False)
+
+    def add(name: str, tensor: torch.Tensor, quantise: bool = True, heads: int | None = None) -> None:
+        data = tensor.detach().float().numpy()
+        if heads is not None:
+            data = _permute(data, heads)
+        if quantise:
+            writer.add_tensor(name, gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                              raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        else:
+            writer.add_tensor(name, np.ascontiguousarray(data))
+
+    add("token_embd.weight", model.model.embed_tokens.weight, quantise=False)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, quantise=False)
+        add(f"blk.{i}.attn_q.weight", attn.q_proj.weight, heads=config.num_attention_heads)
+        add(f"blk.{i}.attn_k.weight", attn.k_proj.weight, heads=config.num_key_value_heads)
+        add(f"blk.{i}.attn_v.weight", attn.v_proj.weight)
+        add(f"blk.{i}.attn_output.weight", attn.o_proj.weight)
+        add(f"blk.{i}.ffn_norm.weight", layer.post_attention_layernorm.weight, quantise=False)
+        add(f"blk.{i}.ffn_gate.weight", mlp.gate_proj.weight)
+        add(f"blk.{i}.ffn_up.weight", mlp.up_proj.weight)
+        add(f"blk.{i}.ffn_down.weight", mlp.down_proj.weight)
+    add("output_norm.weight", model.model.norm.weight, quantise=False)
+    add("output.weight", model.lm_head.weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``(path of the GGUF, the float32 torch model it was written from)``, written once per session."""
+    model = tiny_hf_model()
+    path = tmp_path_factory.mktemp("llamacpp") / "tiny-llama.gguf"
+    write_gguf(model, path)
+    return path, model
+
+
+@pytest.fixture(scope="session", params=[False, True], ids=["repack-off", "repack-on"])
+def llama(tiny_gguf, request) -> LlamaModel:
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=2048, n_threads=2, repack=request.param, n_seq_max=96))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def draft(tiny_gguf) -> LlamaForCausalLM:
+    return perturbed(tiny_gguf[1], scale=0.15)
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
+
+
+# ---------------------------------------------------------------------------------------------- regime probe
+
+
+def test_regime_probe_finds_the_bitwise_invariant_pass_size(llama):
+    regime = llama.regime
+    assert 1 <= regime.cap <= 16
+    assert all(d == 0.0 for d in regime.diffs[: regime.cap])
+    if regime.cap < 16:  # the probe stopped at the first pass size that differs
+        assert len(regime.diffs) == regime.cap + 1 and regime.diffs[-1] > 0.0
+    # Check the claim independently: a block of `cap` tokens after a prompt equals one token at a time.
+    prompt, block = prompts([20, regime.cap], seed=5)
+    steps = [prompt[-1], *block]
+    cache = llama.new_cache()
+    cache.reset(2)
+    cache.prefill([prompt, prompt])
+    together = cache.forward(torch.tensor([steps, steps]), torch.ones(2, len(steps), dtype=torch.bool),
+                             torch.arange(19, 19 + len(steps)).expand(2, -1))  # cut into passes of <= cap
+    assert torch.equal(together[0], decode_alone(llama, prompt, block)) and torch.equal(together[1], together[0])
+
+
+def decode_alone(llama: LlamaModel, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits ``[1 + len(tokens), V]`` of a row alone: its prompt, then the last prompt token and ``tokens``
+    one per pass."""
+    cache = llama.new_cache()
+    cache.reset(1)
+    cache.prefill([prompt])
+    steps = [prompt[-1], *tokens]
+    out = [cache.forward(torch.tensor([[t]]), torch.ones(1, 1, dtype=torch.bool), torch.tensor([[len(prompt) - 1 + j]]))
+           for j, t in enumerate(steps)]
+    cache.select_rows([])
+    return torch.cat(out, dim=1)[0]
+
+
+def test_repacking_narrows_the_regime(tiny_gguf):
+    """The probe sees what the research measured: repacking's multi-row kernel starts at fewer rows."""
+    off = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, repack=False, n_seq_max=4))
+    on = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, repack=True, n_seq_max=4))
+    try:
+        assert on.regime.cap <= off.regime.cap
+    finally:
+        off.close()
+        on.close()
+
+
+# ------------------------------------------------------------------------------------------ cache contract
+
+
+def test_rollback_per_row_then_continue_is_bitwise_one_token_decoding(llama):
+    """Two rows score a block of 5, keep 2 and 4 of them, then go on one token at a time: every logit equals the
+    row alone decoding the kept tokens one at a time."""
+    base = prompts([12, 7], seed=1)
+    blocks = prompts([4, 4], seed=2)
+    tails = prompts([4, 4], seed=3)
+    kept = [2, 4]
+    cache = llama.new_cache()
+    cache.reset(2)
+    cache.prefill(base)
+    lengths = [len(p) for p in base]
+    first = torch.tensor([[p[-1], *blk] for p, blk in zip(base, blocks)])  # [2, 5]
+    positions = torch.tensor([[n - 1 + j for j in range(5)] for n in lengths])
+    cache.forward(first, torch.ones_like(first, dtype=torch.bool), positions)
+    cache.rollback(kept, 5)
+    got = []
+    for j in range(4):
+        step = torch.tensor([[t[j]] for t in tails])
+        pos = torch.tensor([[n - 1 + k + j] for n, k in zip(lengths, kept)])
+        got.append(cache.forward(step, torch.ones_like(step, dtype=torch.bool), pos))
+    got = torch.cat(got, dim=1)  # [2, 4, V]
+    for b in range(2):
+        alone = decode_alone(llama, base[b], blocks[b][: kept[b] - 1] + tails[b])
+        assert torch.equal(got[b], alone[kept[b]:]), b
+
+
+def test_select_and_append_rows_keep_each_row_exact(llama):
+    """A row dropped mid-batch frees its sequence; a fresh row prefilled in a cache of its own joins; every
+    remaining row's logits stay those of the row alone."""
+    free_before = len(llama._free_seqs)
+    rows = prompts([9, 15, 6], seed=4)
+    cache = llama.new_cache()
+    cache.reset(3)
+    cache.prefill(rows)
+    step = torch.tensor([[p[-1]] for p in rows])
+    cache.forward(step, torch.ones_like(step, dtype=torch.bool), torch.tensor([[len(p) - 1] for p in rows]))
+    cache.select_rows([0, 2])
+    assert len(llama._free_seqs) == free_before - 2
+    joining = prompts([11], seed=6)[0]
+    fresh = llama.new_cache()
+    fresh.reset(1)
+    fresh.prefill([joining])
+    cache.append_rows(fresh)
+    assert fresh.batch_size == 0 and cache.batch_size == 3
+    nxt = torch.tensor([[3], [4], [joining[-1]]])
+    out = cache.forward(nxt, torch.ones_like(nxt, dtype=torch.bool), torch.tensor([[9], [6], [10]]))
+    assert torch.equal(out[0, 0], decode_alone(llama, rows[0], [3])[-1])
+    assert torch.equal(out[1, 0], decode_alone(llama, rows[2], [4])[-1])
+    assert torch.equal(out[2, 0], decode_alone(llama, joining, [])[-1])
+    cache.select_rows([])
+    assert len(llama._free_seqs) == free_before
+
+
+# --------------------------------------------------------------------------------- decoding through the loop
+
+
+def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, draft):
+    """Speculative greedy with a partly agreeing draft (fixed 4 drafts, budget 37: not a multiple), rows of
+    different prompt lengths in one batch, equals llama.cpp's plain greedy loop per row; blocks are partly
+    accepted (where rollback errors show)."""
+    rows = prompts([5, 17, 40, 1], seed=7)
+    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
+    out = decoder.generate(rows, max_new_tokens=37)
+    for b, prompt in enumerate(rows):
+        assert out.tokens[b] == greedy_reference(llama, prompt, 37), b
+    stats = out.stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+    alone = decoder.generate(rows, max_new_tokens=37, draft=None)
+    assert alone.tokens == out.tokens
+
+
+def test_eos_inside_an_accepted_block_ends_the_row(llama, draft):
+    prompt = prompts([14], seed=8)[0]
+    reference = greedy_reference(llama, prompt, 30)
+    eos = reference[9]  # a token the row emits mid-way: generation must stop right after its first occurrence
+    first = reference.index(eos)
+    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
+    out = decoder.generate([prompt, prompts([6], seed=9)[0]], max_new_tokens=30, eos_token_id=eos)
+    assert out.tokens[0] == reference[: first + 1] and out.finish_reasons[0] == "stop"
+
+
+def test_sampling_law_of_two_tokens_is_the_targets(llama, draft):
+    """Speculative sampling (temperature 0.8, top-k 4) with a draft that disagrees partly: the joint law of the
+    first two tokens matches llama.cpp's logits through verispec's warpers (chi-square, p > 1e-6)."""
+    prompt = prompts([10], seed=10)[0]
+    params = SamplingParams(temperature=0.8, top_k=4)
+    context_model = llama
+    from verispec.models.llamacpp import _Context
+
+    with context_model.lock:
+        context = _Context(context_model, 64, 1)
+        try:
+            first_logits = torch.from_numpy(context.prompt_logits(prompt, 0))
+            first = probs_from_logits(first_logits, params)  # [V]
+            law = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+            for token in torch.nonzero(first).flatten().tolist():
+                context.remove(0, len(prompt), -1)
+                second = probs_from_logits(torch.from_numpy(context.decode([token], [len(prompt)], [0], [True])[0]),
+                                           params)
+                law[token] = first[token].double() * second.double()
+        finally:
+            context.close()
+    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=3)
+    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.float64)
+    for call in range(40):
+        out = decoder.generate([prompt] * 64, max_new_tokens=2, temperature=0.8, top_k=4, seed=call)
+        for tokens in out.tokens:
+            counts[tokens[0], tokens[1]] += 1
+    support = law > 0
+    assert counts[~support].sum() == 0
+    assert chi2_pvalue(counts[support].numpy(), law[support].numpy()) > 1e-6
+
+
+def test_prompt_longer_than_the_context_is_a_value_error(tiny_gguf):
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=64, n_threads=2, n_seq_max=2))
+    try:
+        decoder = SpeculativeDecoder(small)
+        with pytest.raises(ValueError, match="llama.cpp context holds 64 tokens"):
+            decoder.generate([prompts([60], seed=11)[0]], max_new_tokens=10)
+    finally:
+        small.close()
+
+
+def test_too_many_rows_is_a_clear_error(tiny_gguf):
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=2))
+    try:
+        cache = LlamaCache(small)
+        with pytest.raises(RuntimeError, match="at most 2 rows"):
+            cache.reset(3)
+    finally:
+        small.close()
+
+
+def test_model_drafter_unchanged_on_llama_target(llama, draft):
+    """A torch ModelDrafter drafts for the llama.cpp target through the same interface."""
+    decoder = SpeculativeDecoder(llama, drafter=ModelDrafter(draft), num_draft_tokens=2)
+    prompt = prompts([8], seed=12)[0]
+    assert decoder.generate([prompt], max_new_tokens=12).tokens[0] == greedy_reference(llama, prompt, 12)
+
+
+def test_load_error_for_non_gguf_with_llama_backend(tmp_path):
+    from verispec.factory import load
+
+    folder = tmp_path / "hf"
+    tiny_hf_model().save_pretrained(folder)
+    with pytest.raises(LoadError, match="GGUF"):
+        load(str(folder), backend="llama.cpp")

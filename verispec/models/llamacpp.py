@@ -1,0 +1,440 @@
+"""The llama.cpp backend: a GGUF target on llama.cpp's CPU kernels behind the ``CachedLM`` contract.
+
+``LlamaModel`` holds the weights (``llama_model``) and one ``llama_context`` whose unified KV memory holds
+every row of every batch, one sequence id per row; ``LlamaCache`` (one per batch, as ``CachedLM``) owns the
+sequence ids of its rows:
+
+- ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]``;
+- ``rollback`` removes each row's rejected positions with ``llama_memory_seq_rm`` (per row, by its own count);
+- ``select_rows`` frees the dropped rows' sequences, ``append_rows`` takes over another cache's sequences
+  (no copy: they already live in the shared memory).
+
+Exactness. llama.cpp's CPU matrix products take different code paths by the number of rows in a pass, so a
+block of k+1 tokens can round differently from one-token decoding (measured: passes of 1-3 rows agree bitwise
+with weight repacking on, 1-7 with repacking off and flash attention on). ``probe_regime`` measures, once per
+model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build and CPU, and
+every scoring pass is cut into ``llama_decode`` calls of at most that many tokens. A prompt is evaluated as
+llama.cpp's own generation loop evaluates it: the whole prompt of one row in one call (``n_batch`` tokens at a
+time), so its cache is the one ``greedy_reference`` (llama.cpp's plain greedy loop) builds. Greedy output is
+therefore token-identical to llama.cpp's plain greedy decoding of the same file with the same settings
+(tested); sampling is exact in law, since verispec's warpers and verifier run on these logits.
+
+llama-cpp-python is imported only when a model is loaded, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: build it with `CMAKE_ARGS=\"$(.ci/llama_cmake_args)\" "
+                     "pip install llama-cpp-python==0.3.36` (docs/llamacpp.md), or use backend='torch'")
+PROBE_MAX_ROWS = 16  # the widest pass the regime probe tries
+
+
+def llama_cpp_unavailable() -> str | None:
+    """Why the llama.cpp backend cannot run here (one line), or None."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return LLAMA_CPP_MISSING
+    except OSError as error:  # the shared library failed to load
+        return f"llama-cpp-python is installed but its library does not load: {error}"
+    return None
+
+
+def _lib():
+    import llama_cpp
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)  # llama.cpp's errors only, not its loading chatter
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking (faster one-token passes on most
+    quantisations, but only passes of <= 3 rows are batch-invariant); ``flash_attn``: flash attention (off, the
+    attention is batch-variant from 2 rows); ``n_ctx``: KV cells shared by all rows (a row may use them all);
+    ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None  # None: the CPUs this process may run on
+    repack: bool = False
+    flash_attn: bool = True
+    n_seq_max: int = 64
+    n_batch: int = 512
+    exact: bool = True
+
+    def threads(self) -> int:
+        return self.n_threads or len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The probed batch-invariance regime: ``cap`` is the largest pass (tokens, any rows) whose logits equal
+    one-token decoding bitwise; ``diffs[n-1]`` the max |logit difference| of a pass of n tokens (until the
+    first that differs); ``rows_independent``: two sequences in one pass score as each alone, bitwise."""
+
+    cap: int
+    diffs: tuple[float, ...]
+    rows_independent: bool
+
+
+class _Context:
+    """One ``llama_context`` and a reusable ``llama_batch``; not thread-safe (callers hold the model lock)."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int) -> None:
+        lib, s = _lib(), model.settings
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n_ctx, n_seq_max
+        params.n_batch = params.n_ubatch = s.n_batch
+        params.n_threads = params.n_threads_batch = s.threads()
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.kv_unified = True
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_vocab = model.n_vocab
+        self.capacity = s.n_batch
+        self.batch = lib.llama_batch_init(self.capacity, 0, 1)
+
+    def close(self) -> None:
+        lib = _lib()
+        if self.ctx:
+            lib.llama_batch_free(self.batch)
+            lib.llama_free(self.ctx)
+            self.ctx = None
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order."""
+        lib, batch, n = _lib(), self.batch, len(tokens)
+        assert 0 < n <= self.capacity
+        for i in range(n):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tokens[i], positions[i], 1
+            batch.seq_id[i][0], batch.logits[i] = seqs[i], bool(outputs[i])
+        batch.n_tokens = n
+        status = lib.llama_decode(self.ctx, batch)
+        if status != 0:
+            raise RuntimeError(
+                "llama.cpp's KV memory is full: lower the rows or tokens in flight, or load with a larger n_ctx"
+                if status == 1 else f"llama_decode failed with status {status}")
+        count = sum(map(bool, outputs))
+        if count == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        pointer = lib.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(pointer, shape=(count, self.n_vocab)).copy()
+
+    def remove(self, seq: int, start: int, end: int = -1) -> None:
+        """Drop positions ``[start, end)`` of ``seq`` (``-1``: open-ended)."""
+        _lib().llama_memory_seq_rm(self.memory, seq, start, end)
+
+    def prompt_logits(self, tokens: Sequence[int], seq: int, first_position: int = 0) -> np.ndarray:
+        """Evaluate one row's tokens as llama.cpp's generation loop does (``n_batch`` at a time); logits of the
+        last ``[V]``."""
+        logits = None
+        for start in range(0, len(tokens), self.capacity):
+            chunk = tokens[start:start + self.capacity]
+            last = start + len(chunk) == len(tokens)
+            outputs = [last and i == len(chunk) - 1 for i in range(len(chunk))]
+            logits = self.decode(chunk, range(first_position + start, first_position + start + len(chunk)),
+                                 [seq] * len(chunk), outputs)
+        return logits[-1]
+
+
+class LlamaModel:
+    """A GGUF model loaded by llama.cpp (CPU). Stands in for the target ``PreTrainedModel`` in the decoder:
+    ``new_cache()`` opens a batch's cache; ``vocab_size``, ``max_positions``, ``device`` and
+    ``generation_config.eos_token_id`` describe it."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, path: str | os.PathLike, settings: LlamaSettings | None = None) -> None:
+        problem = llama_cpp_unavailable()
+        if problem is not None:
+            raise ImportError(problem)
+        lib = _lib()
+        self.path = Path(path)
+        self.settings = settings or LlamaSettings()
+        lib.llama_backend_init()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = self.settings.repack
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports)")
+        vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+        self.eos_ids = sorted(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t))
+        self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
+        self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
+        self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
+        self.context = _Context(self, self.settings.n_ctx, self.settings.n_seq_max)
+        self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
+        self.regime = probe_regime(self)
+
+    # ------------------------------------------------------------------ what the decoder reads
+    @property
+    def vocab_size(self) -> int:
+        return self.n_vocab
+
+    @property
+    def max_positions(self) -> int:
+        """A row's longest sequence: the context's cells (shared by all rows in flight)."""
+        return min(self.settings.n_ctx, self.n_ctx_train or self.settings.n_ctx)
+
+    @property
+    def max_positions_reason(self) -> str:
+        return f"the llama.cpp context holds {self.settings.n_ctx} tokens (load with a larger n_ctx)"
+
+    @property
+    def pass_cap(self) -> int | None:
+        """The most tokens one ``llama_decode`` scores (None: uncut, when ``exact`` is off)."""
+        return self.regime.cap if self.settings.exact else None
+
+    def eval(self) -> LlamaModel:
+        return self
+
+    def new_cache(self) -> LlamaCache:
+        return LlamaCache(self)
+
+    def close(self) -> None:
+        """Free the context and the weights (the model is unusable afterwards)."""
+        with self.lock:
+            if getattr(self, "context", None) is not None:
+                self.context.close()
+                self.context = None
+            if getattr(self, "model", None):
+                _lib().llama_model_free(self.model)
+                self.model = None
+
+    def __del__(self) -> None:  # noqa: D105
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ------------------------------------------------------------------ sequence ids
+    def _acquire(self, count: int) -> list[int]:
+        with self.lock:
+            if count > len(self._free_seqs):
+                raise RuntimeError(f"the llama.cpp context holds at most {self.settings.n_seq_max} rows at once "
+                                   f"({len(self._free_seqs)} free, {count} asked); load with a larger n_seq_max")
+            return [self._free_seqs.pop() for _ in range(count)]
+
+    def _release(self, seqs: Sequence[int]) -> None:
+        with self.lock:
+            for seq in seqs:
+                if self.context is not None:
+                    self.context.remove(seq, -1, -1)
+                self._free_seqs.append(seq)
+            self._free_seqs.sort(reverse=True)
+
+
+@dataclass
+class _Row:
+    seq: int
+    length: int = 0  # positions in the memory
+    opening: tuple[int, np.ndarray] | None = None  # (last prompt token, its logits [V]): in memory, not yet scored
+
+
+class LlamaCache:
+    """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.device = model.device
+        self.rows: list[_Row] = []
+        self._last_new: list[int] = []  # tokens each row appended in the last forward
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_slots(self) -> int:
+        return max((row.length + (row.opening is not None) for row in self.rows), default=0)
+
+    def reset(self, batch_size: int) -> None:
+        self._free()
+        self.rows = [_Row(seq) for seq in self.model._acquire(batch_size)]
+
+    def _free(self) -> None:
+        if self.rows:
+            self.model._release([row.seq for row in self.rows])
+        self.rows = []
+
+    def __del__(self) -> None:  # noqa: D105
+        try:
+            self._free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def prefill(self, prompts: list[list[int]]) -> bool:
+        """Fresh rows: evaluate each whole prompt as llama.cpp's generation loop does (one row per call,
+        ``n_batch`` tokens at a time). The last token's logits are kept for the row's first scoring pass, which
+        opens with that token (the ``CachedLM`` contract appends every token but the last here)."""
+        with self.model.lock:
+            for row, prompt in zip(self.rows, prompts):
+                if row.length or row.opening is not None:
+                    raise RuntimeError("prefill is for fresh rows only")
+                if len(prompt) > 1:
+                    logits = self.model.context.prompt_logits(prompt, row.seq)
+                    row.length, row.opening = len(prompt) - 1, (prompt[-1], logits)
+        return any(len(p) > 1 for p in prompts)
+
+    def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
+                num_logits: int | None = None) -> torch.Tensor:
+        """Append each row's unmasked tokens (positions continue the row's own) and return float32 logits
+        ``[B, num_logits or n, V]`` (zeros at masked columns). Scoring passes are cut to ``model.pass_cap``."""
+        ids, mask = input_ids.tolist(), input_mask.tolist()  # [B, n]
+        n = len(ids[0]) if ids else 0
+        logits = np.zeros((len(self.rows), n, self.model.n_vocab), dtype=np.float32)  # [B, n, V]
+        work: list[tuple[int, int, int, int]] = []  # (row, column, token, position) of the scoring passes
+        with self.model.lock:
+            context = self.model.context
+            self._last_new = [0] * len(self.rows)
+            for b, row in enumerate(self.rows):
+                columns = [j for j in range(n) if mask[b][j]]
+                self._last_new[b] = len(columns)
+                if row.opening is not None and columns:  # evaluated with the prompt, as llama.cpp does
+                    token, opening_logits = row.opening
+                    first = columns.pop(0)
+                    if ids[b][first] != token:
+                        raise ValueError(f"row {b} opens with token {ids[b][first]}, but its prompt ends with {token}")
+                    logits[b, first], row.opening = opening_logits, None
+                    row.length += 1
+                for j in columns:
+                    work.append((b, j, ids[b][j], row.length))
+                    row.length += 1
+            step = min(self.model.pass_cap or context.capacity, context.capacity)
+            for start in range(0, len(work), step):
+                chunk = work[start:start + step]
+                out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
+                                     [self.rows[w[0]].seq for w in chunk], [True] * len(chunk))
+                for (b, j, _, _), row_logits in zip(chunk, out):
+                    logits[b, j] = row_logits
+        result = torch.from_numpy(logits)
+        return result if num_logits is None else result[:, -num_logits:]
+
+    def rollback(self, num_kept: list[int], num_new: int) -> None:
+        """Of the last forward's ``num_new`` tokens, keep the first ``num_kept[b]`` for row b."""
+        if num_new == 0:
+            return
+        with self.model.lock:
+            for row, kept, added in zip(self.rows, num_kept, self._last_new):
+                drop = added - min(kept, added)
+                if drop > 0:
+                    row.length -= drop
+                    self.model.context.remove(row.seq, row.length, -1)
+            self._last_new = [min(k, a) for k, a in zip(num_kept, self._last_new)]
+
+    def append_holes(self, num_slots: int) -> None:
+        """Nothing to do: positions, not slots, place a row's tokens here."""
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only ``rows`` (indices into the batch); the others' sequences are freed."""
+        keep = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
+        dropped = [row.seq for b, row in enumerate(self.rows) if b not in set(keep)]
+        self.rows = [self.rows[b] for b in keep]
+        self._last_new = [self._last_new[b] for b in keep] if self._last_new else []
+        if dropped:
+            self.model._release(dropped)
+
+    def append_rows(self, other: LlamaCache) -> None:
+        """Take over ``other``'s rows (same model), which leaves it empty."""
+        if other.model is not self.model:
+            raise ValueError("append_rows needs caches of one LlamaModel")
+        self._last_new = (self._last_new or [0] * len(self.rows)) + (other._last_new or [0] * len(other.rows))
+        self.rows += other.rows
+        other.rows, other._last_new = [], []
+
+
+def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
+    """Measure the largest pass whose logits equal one-token decoding bitwise (on a context of its own): after
+    the same 24-token prompt, a block of n tokens in one call vs the same tokens one at a time, for n = 1, 2, ...
+    up to the first that differs (or ``max_rows``); then whether two sequences in one pass score as each alone."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, model.n_vocab, size=24 + max_rows).tolist()
+    prompt, block = tokens[:24], tokens[24:]
+    with model.lock:
+        context = _Context(model, 2 * (24 + max_rows) + 16, 2)
+        try:
+            context.prompt_logits(prompt, 0)
+            single = np.stack([context.decode([t], [24 + i], [0], [True])[0] for i, t in enumerate(block)])
+            diffs, cap = [], max_rows
+            for n in range(1, max_rows + 1):
+                context.remove(0, 24, -1)
+                out = context.decode(block[:n], range(24, 24 + n), [0] * n, [True] * n)
+                diffs.append(float(np.abs(out - single[:n]).max()))
+                if diffs[-1] != 0.0:
+                    cap = n - 1
+                    break
+            # Two rows (sequences 0 and 1, the same prompt) in one pass of 2 tokens vs each row alone.
+            context.remove(0, 24, -1)
+            context.prompt_logits(prompt, 1)
+            pair = context.decode([block[0], block[1]], [24, 24], [0, 1], [True, True])
+            context.remove(0, 24, -1)
+            context.remove(1, 24, -1)
+            alone = context.decode([block[1]], [24], [1], [True])[0]
+            independent = bool(np.array_equal(pair[0], single[0]) and np.array_equal(pair[1], alone))
+        finally:
+            context.close()
+    return Regime(max(cap, 1), tuple(diffs), independent)
+
+
+def greedy_reference(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,
+                     eos_ids: Sequence[int] = ()) -> list[int]:
+    """llama.cpp's plain greedy loop (as ``llama-simple``) on a context of its own: the prompt in one call, then
+    one token per call, each the argmax of the last logits. The reference the backend's greedy output equals."""
+    with model.lock:
+        context = _Context(model, len(prompt) + max_new_tokens + 1, 1)
+        try:
+            logits = context.prompt_logits(list(prompt), 0)
+            output: list[int] = []
+            for i in range(max_new_tokens):
+                token = int(np.argmax(logits))
+                output.append(token)
+                if token in eos_ids or i == max_new_tokens - 1:
+                    break
+                logits = context.decode([token], [len(prompt) + i], [0], [True])[0]
+        finally:
+            context.close()
+    return output
+
+
+def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progress=None):
+    """``(LlamaModel, tokenizer)`` for a GGUF named by a zoo name, a ``.gguf`` file or a folder holding one. The
+    tokenizer is the Hugging Face one converted from the GGUF's vocabulary (what the torch path uses), so
+    drafters, chat templates and detokenising work unchanged. ``ValueError`` for a model that is no GGUF,
+    ``ImportError`` when llama-cpp-python is missing."""
+    from .integrity import say
+    from .sources import gguf_source, gguf_tokenizer
+    from .zoo import cache_root
+
+    problem = llama_cpp_unavailable()
+    if problem is not None:
+        raise ImportError(problem)
+    source = gguf_source(name_or_path, progress)
+    if source is None:
+        raise ValueError(f"backend 'llama.cpp' runs GGUF models only; {name_or_path!r} is not one "
+                         "(a zoo name, a .gguf file or a folder holding one); use backend='torch'")
+    path, sha256 = source
+    tokenizer = gguf_tokenizer(path, sha256, cache_root(), progress)
+    settings = settings or LlamaSettings()
+    say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
+                  f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, n_ctx {settings.n_ctx})")
+    model = LlamaModel(path, settings)
+    say(progress, f"llama.cpp: passes of up to {model.regime.cap} tokens score as one-token decoding, bitwise "
+                  f"(probed); {'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
+    return model, tokenizer
