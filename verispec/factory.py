@@ -18,13 +18,15 @@ from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDraft
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.integrity import Progress, ZooError, say
 from .models.loading import LoadError, load_model, parse_device, parse_model_dtype, same_tokenizer
-from .models.sources import check_source
+from .models.sources import check_source, is_gguf
 from .policy import make_gamma_policy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["LoadError", "check_load_options", "load", "split_suffix_draft"]
+__all__ = ["BACKENDS", "LoadError", "check_load_options", "choose_backend", "load", "split_suffix_draft"]
+
+BACKENDS = ("auto", "llama.cpp", "torch")  # what runs the target ("auto": llama.cpp for a GGUF on a CPU, if installed)
 
 DRAFT_QUANTS = ("int4", "int8", "none")
 CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
@@ -75,7 +77,7 @@ def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progre
 def check_load_options(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
                        dtype: torch.dtype | str | None = None, draft_quant: str = "int4", cross_tokenizer: str = "text",
                        here: bool = True, suffix_cache_size: int | None = None, suffix_scope: str = "global",
-                       **decoder_options: Any) -> None:
+                       backend: str = "auto", **decoder_options: Any) -> None:
     """Raise what :func:`load` would raise for these arguments before it loads a model, without loading one:
     the dtype, the device, the decoder options, and the target and draft names (an unknown name, a missing path,
     a folder that is no model; a Hub id is only checked for its shape). ``here=False``: the models will be
@@ -85,6 +87,8 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
     if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
         raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
                          f"got {cross_tokenizer!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
     parse_model_dtype(dtype)
     parse_device(device, here=here)
     _check_decoder_options(decoder_options)
@@ -98,6 +102,28 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
                     check_source(name)
                 except ZooError as error:
                     raise LoadError(f"cannot load model {name!r}: {error}") from error
+        choose_backend(target, backend, device)
+
+
+def choose_backend(target: str, backend: str = "auto", device: str | torch.device = "cpu") -> str:
+    """``"llama.cpp"`` or ``"torch"``: what runs ``target``. ``"auto"`` picks llama.cpp for a GGUF target (zoo name,
+    ``.gguf`` file) on a CPU when llama-cpp-python is installed. ``LoadError`` when ``"llama.cpp"`` cannot run it
+    (not a GGUF, not the CPU, llama-cpp-python missing)."""
+    from .models.llamacpp import llama_cpp_unavailable
+
+    on_cpu = torch.device(device).type == "cpu"
+    if backend == "auto":
+        return "llama.cpp" if on_cpu and is_gguf(target) and llama_cpp_unavailable() is None else "torch"
+    if backend == "llama.cpp":
+        if not is_gguf(target):
+            raise LoadError(f"cannot load model {target!r} on backend 'llama.cpp': it runs GGUF models only (a zoo "
+                            "name, a .gguf file or a folder holding one); use backend 'torch'")
+        if not on_cpu:
+            raise LoadError(f"backend 'llama.cpp' runs on the CPU here, not on {device!s}; use backend 'torch'")
+        problem = llama_cpp_unavailable()
+        if problem is not None:
+            raise LoadError(problem)
+    return backend
 
 
 def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> None:
@@ -114,7 +140,8 @@ def _check_suffix_options(cache_size: int | None, scope: str, here: bool) -> Non
 def load(target: str, draft: str | None = None, *, device: str | torch.device = "cpu",
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
-         progress: Progress | None = None, calibrate: bool = True,
+         progress: Progress | None = None, calibrate: bool = True, backend: str = "auto",
+         llama_settings: Any = None,
          **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
@@ -134,6 +161,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     (``decode/calibrate.py``, seconds on a CPU), so that the first call already knows whether drafting pays.
     ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``, ``vocab_size``,
     default ``len(tokenizer)``).
+    ``backend``: what runs the target: ``"torch"``, ``"llama.cpp"`` (a GGUF on llama.cpp's CPU kernels and memory,
+    ``models/llamacpp.py``; ``llama_settings``, a ``LlamaSettings``, says how; drafts, sampling and the loop are
+    verispec's, greedy output token-identical to llama.cpp's plain greedy decoding) or ``"auto"`` (the default:
+    llama.cpp for a GGUF target on a CPU when llama-cpp-python is installed, else torch). A draft model runs on
+    torch either way.
 
     ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
     ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
@@ -150,14 +182,17 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     """
     check_load_options(target, draft, device=device, dtype=dtype, draft_quant=draft_quant,
                        cross_tokenizer=cross_tokenizer, suffix_cache_size=suffix_cache_size,
-                       suffix_scope=suffix_scope, **decoder_options)
+                       suffix_scope=suffix_scope, backend=backend, **decoder_options)
     suffix, draft = split_suffix_draft(draft)
     torch_dtype, torch_device = parse_model_dtype(dtype), parse_device(device)
 
     say(progress, f"target: {target}")
-    target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
-    if fast and prepack_linears(target_model):
-        say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
+    if choose_backend(target, backend, torch_device) == "llama.cpp":
+        target_model, tokenizer = _load_llama(target, llama_settings, progress)
+    else:
+        target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
+        if fast and prepack_linears(target_model):
+            say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
     drafter, draft_model = None, None
     if draft == "ngram":
         drafter = NGramDrafter()
@@ -186,6 +221,15 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
             say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "
                           + ", ".join(f"{k} drafts {t:.2f}" for k, t in report.tokens_per_step.items()))
     return decoder, tokenizer
+
+
+def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase]:
+    from .models.llamacpp import load_llama
+
+    try:
+        return load_llama(target, settings, progress)
+    except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
+        raise LoadError(f"cannot load model {target!r} on llama.cpp: {error}") from error
 
 
 def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
