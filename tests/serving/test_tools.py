@@ -297,25 +297,32 @@ def _run_tool(name: str, arguments: str) -> str:
     return str(args["a"] + args["b"]) if name == "add" else f"{args['city']}: sunny, 21 {args['unit']}"
 
 
-def _agent(client, speculation: dict, turns: int = 3) -> tuple[list, list[int]]:
+def _agent(client, speculation: dict, turns: int = 3, stream: bool = False) -> tuple[list, list[int]]:
     """A bounded agent loop: each turn the model must call one tool (greedy; one call a turn, since a random
     model could chain calls until max_tokens), the client runs it and answers with a tool message; a last turn
-    lets the model answer in text (``auto``). Returns the transcript and the draft
-    tokens each turn used."""
+    lets the model answer in text (``auto``). Returns the transcript and the draft tokens each turn used (none
+    counted when streamed: the assistant message is rebuilt from the deltas, as streaming agent code does)."""
     messages = list(ASK)
     transcript, drafted = [], []
     for turn in range(turns + 1):
-        choice = "required" if turn < turns else "auto"
-        response = client.chat.completions.create(
-            model=QWEN, messages=messages, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120,
-            parallel_tool_calls=False, extra_body=speculation)
-        c = response.choices[0]
-        transcript.append((c.finish_reason, c.message.content, _calls(c.message)))
-        drafted.append(extra(response, "verispec")["draft_tokens"])
-        messages.append(c.message)  # the client's own message object, as agent code appends it
-        for call in c.message.tool_calls or ():
-            messages.append({"role": "tool", "tool_call_id": call.id,
-                             "content": _run_tool(call.function.name, call.function.arguments)})
+        kwargs = {"model": QWEN, "messages": messages, "tools": TOOLS, "temperature": 0, "max_tokens": 120,
+                  "tool_choice": "required" if turn < turns else "auto", "parallel_tool_calls": False,
+                  "extra_body": speculation}
+        if stream:
+            content, calls, ids, reason = _streamed(client, **kwargs)
+            messages.append({"role": "assistant", "content": content, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": name, "arguments": arguments}}
+                for i, (name, arguments) in zip(ids, calls)] or None})
+        else:
+            response = client.chat.completions.create(**kwargs)
+            c = response.choices[0]
+            content, calls, reason = c.message.content, _calls(c.message), c.finish_reason
+            ids = [call.id for call in c.message.tool_calls or ()]
+            drafted.append(extra(response, "verispec")["draft_tokens"])
+            messages.append(c.message)  # the client's own message object, as agent code appends it
+        transcript.append((reason, content, calls))
+        for call_id, (name, arguments) in zip(ids, calls):
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": _run_tool(name, arguments)})
     return transcript, drafted
 
 
@@ -326,6 +333,14 @@ def test_an_agent_loop_is_exact_under_speculation(qwen) -> None:
     assert all(reason == "tool_calls" and calls for reason, _, calls in plain[:-1])
     assert all(_valid(*call) for _, _, calls in plain for call in calls)
     assert sum(plain_drafts) == 0 and all(d > 0 for d in drafts)  # speculation ran on every turn
+
+
+def test_a_streamed_agent_loop_matches_the_whole_one(qwen) -> None:
+    """The same loop fed by streamed deltas (calls reassembled by index) makes the same transcript, with and
+    without speculation."""
+    whole, _ = _agent(qwen.client, {})
+    assert _agent(qwen.client, {}, stream=True)[0] == whole
+    assert _agent(qwen.client, DRAFT_OFF, stream=True)[0] == whole
 
 
 # ---------------------------------------------------------------------------------------------- parse()
