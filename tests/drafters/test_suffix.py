@@ -241,8 +241,8 @@ def test_suffix_then_model_composite_is_exact_and_uses_both() -> None:
 
 class _Alternating(SourceController):
     """Runs the lookup plan and the model plan in turn, whatever they cost (so a test sees both, and rows of
-    both sources in one step): a row drafts its continuation where the lookup has one, else the model's drafts
-    in model steps and nothing in lookup steps."""
+    both sources in one step): in lookup steps a row drafts its continuation if it has one, else nothing; in
+    model steps even rows draft their continuation if they have one, the others the model's drafts."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -252,8 +252,11 @@ class _Alternating(SourceController):
         self.turn += 1
         plan = MODEL if self.turn % 2 else LOOKUP
         sources, lengths = [], []
-        for r in rows:
-            source = LOOKUP if r.lookup_length else MODEL if plan == MODEL else None
+        for b, r in enumerate(rows):
+            if plan == LOOKUP:
+                source = LOOKUP if r.lookup_length else None
+            else:
+                source = LOOKUP if r.lookup_length and b % 2 == 0 else MODEL
             sources.append(source if r.limit else None)
             lengths.append(0 if not r.limit or source is None else
                            min(r.limit, r.lookup_length) if source == LOOKUP else r.limit)
@@ -646,3 +649,28 @@ def test_verispec_batch_with_suffix_drafts_writes_the_target_alones_tokens(saved
     for name in ("suffix", "composite"):
         assert [out[name][i]["tokens"] for i in range(4)] == [out[None][i]["tokens"] for i in range(4)]
         assert sum(row["verispec"]["draft_tokens"] for row in out[name].values()) > 0
+
+
+def test_sampled_tokens_follow_the_target_law_with_lookup_and_model_rows_in_one_step() -> None:
+    # Lookup rows (one-hot drafts) and model rows (the draft's distributions) verified in the same steps, and
+    # lookup-only steps where the model idles: each row's tokens still follow the target's law.
+    target, draft = build("qwen2", seed=3, vocab_size=SMALL_VOCAB), build("qwen2", seed=4, vocab_size=SMALL_VOCAB)
+    lookup = SuffixDrafter(share_sampled=True, settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
+    drafter = CompositeDrafter(lookup, ModelDrafter(draft))
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3)
+    decoder.controller = _Alternating()
+    prompts = [CONTEXTS[0]] * ROWS_PER_CONTEXT + [CONTEXTS[1]] * ROWS_PER_CONTEXT
+    decoder.generate(prompts[:200], max_new_tokens=NEW, seed=5, temperature=1.0)  # earlier answers in the tree
+    out = decoder.generate(prompts, max_new_tokens=NEW, seed=11, temperature=1.0)
+    sources = out.stats.sources
+    assert sources["suffix"].draft_tokens > ROWS_PER_CONTEXT and sources["model"].draft_tokens > ROWS_PER_CONTEXT
+    for counts in sources.values():
+        assert 0.05 < counts.accepted_tokens / counts.draft_tokens < 0.95  # kept and rejected drafts
+    law_params = SamplingParams(temperature=1.0)
+    for c, context in enumerate(CONTEXTS):
+        law = _token_law(target, context, law_params, NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
+            counts[tuple(tokens)] += 1
+        p_value = chi2_pvalue(counts, law, min_expected=20)
+        assert p_value > 1e-6, (context, p_value)
