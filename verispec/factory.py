@@ -30,8 +30,9 @@ BACKENDS = ("auto", "llama.cpp", "torch")  # what runs the target ("auto": llama
 
 DRAFT_QUANTS = ("int4", "int8", "none")
 CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another tokenizer drafts
-# "suffix+MODEL": suffix decoding for the rows whose continuation scores at least this (expected tokens kept),
-# the model for the others (arctic-inference's hybrid rule, with a model drafting about 3 tokens a step)
+# "suffix+MODEL": the speculation controller picks each row's source from measured costs and acceptance
+# (policy/sources.py); rows whose tokens must not depend on timings (seeded sampling) use suffix decoding where
+# its continuation scores at least this (expected tokens kept), else the model (arctic-inference's hybrid rule)
 SUFFIX_OVER_MODEL_SCORE = 3.0
 
 
@@ -150,8 +151,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
     alone). ``"suffix"`` is suffix decoding (``drafters/suffix.py``: drafts from the request's own text and from
     earlier responses, the last ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says:
-    ``"global"``, ``"key"`` or ``"request"``); ``"suffix+MODEL"`` uses it for the rows whose continuation scores
-    at least ``SUFFIX_OVER_MODEL_SCORE`` and the draft model ``MODEL`` for the others.
+    ``"global"``, ``"key"`` or ``"request"``); ``"suffix+MODEL"`` drafts each row from it or from the draft model
+    ``MODEL`` (or not at all), as the speculation controller finds pays (``policy/sources.py``).
     ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
     it. ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products: its output is its
     own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4
@@ -242,5 +243,5 @@ def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draf
     settings = SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE if fallback is not None else 0.0)
     suffix = SuffixDrafter(cache_size, scope, settings)
     say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
-                  + ("; the model drafts where its continuation scores lower" if fallback is not None else ""))
+                  + ("; the model where it pays more, row by row" if fallback is not None else ""))
     return suffix if fallback is None else CompositeDrafter(suffix, fallback)
