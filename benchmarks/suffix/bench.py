@@ -10,8 +10,9 @@ Workloads (greedy, one request at a time, chat template of the target):
               multi  - a second turn asking to show the assistant's earlier answer again, changed slightly.
   general     the first ``--general`` prompts of ``benchmarks/prompts.json``.
 Every method decodes every prompt in each repeat, interleaved per prompt (so machine noise hits all methods
-alike); each repeat builds fresh drafters (an empty suffix tree, a fresh speculation controller), and the
-prompts run in the same order, so the suffix drafter's earlier responses are those of the same repeat only.
+alike). Each drafter's speculation controller is warmed once before timing (a short request), and the suffix
+drafter's trees are emptied before each repeat, so its earlier responses are those of the same repeat only
+(the prompts run in the same order every repeat).
 Greedy outputs are checked identical to the target alone's. Writes bench.json (the prompts built, per-prompt
 records, medians with min-max) and prints a Markdown table; tokens/s of a (method, workload, repeat) are the
 tokens over the seconds of that workload's prompts (``run.summarise``).
@@ -35,6 +36,7 @@ from run import cpu_name, encode, log, ratio, summarise  # noqa: E402
 
 import verispec  # noqa: E402
 from verispec.drafters import ModelDrafter, NGramDrafter, SuffixDrafter  # noqa: E402
+from verispec.drafters.suffix import ResponseTrees  # noqa: E402
 
 METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4")
 
@@ -114,13 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     for p in prompts:
         p.setdefault("group", "repetitive")
 
-    def fresh_drafters() -> dict:
-        return {"alone": None, "suffix": SuffixDrafter(scope="global"), "ngram": NGramDrafter(),
-                "model_0.5b_int4": ModelDrafter(draft_model)}
-
-    log("warm-up (kernels of each shape built before timing)")
-    for name, drafter in fresh_drafters().items():
-        decoder.generate([encoded[0]], max_new_tokens=16, eos_token_id=eos, draft=drafter)
+    suffix = SuffixDrafter(scope="global")
+    drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model)}
+    log("warm-up: kernels of each shape, and each drafter's speculation controller")
+    warm = encode(tokenizer, {"kind": "chat", "text": "Write a Python function that reverses a string."})
+    for name, drafter in drafters.items():
+        decoder.generate([warm], max_new_tokens=32, eos_token_id=eos, draft=drafter)
 
     report = {"command": "python benchmarks/suffix/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(args), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        drafters = fresh_drafters()
+        suffix.trees = ResponseTrees(suffix.trees.cache_size, suffix.settings.max_depth)  # nothing from before
         order = list(METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)])  # rotate per repeat
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             outputs = {}
