@@ -52,7 +52,7 @@ def test_every_api_path_needs_a_right_key(guarded) -> None:
     for headers in ({}, _auth("wrong"), {"authorization": f"Basic {KEYS[0]}"}, {"authorization": KEYS[0]},
                     _auth(KEYS[0] + "x"), {"authorization": "Bearer"}):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/v1/nothing"),
-                             ("GET", "/metrics"), ("GET", "/")):
+                             ("GET", "/metrics"), ("GET", "/nothing"), ("GET", "/playground/nothing")):
             response = httpx.request(method, url + path, json=BODY if method == "POST" else None, headers=headers)
             error = _assert_openai_error(response, 401, "invalid_api_key")
             assert response.headers["www-authenticate"] == "Bearer"
@@ -63,6 +63,8 @@ def test_every_api_path_needs_a_right_key(guarded) -> None:
         assert httpx.get(f"{url}/v1/nothing", headers=_auth(key)).status_code == 404  # past the key: a real 404
     for path in ("/health", "/openapi.json"):  # open: load balancers and clients need them without a key
         assert httpx.get(url + path).status_code == 200
+    # open: the playground's static files (no data; the page asks for the key), and / redirecting to them
+    assert httpx.get(url + "/", follow_redirects=True).url.path == "/playground"
 
 
 def test_the_openai_client_with_and_without_a_key(guarded) -> None:

@@ -230,7 +230,9 @@ function render(run) {
     const span = document.createElement("span");
     const token = run.tokens[i];
     const text = tokenText(run, i);
-    span.className = "tok " + token.kind + (text === "" ? " empty" : "") + (i === selected ? " selected" : "");
+    // A token with no text of its own: an end token (marked), or the first bytes of a character the next one ends.
+    const end = text === "" && !token.token.startsWith("bytes:");
+    span.className = "tok " + token.kind + (end ? " empty" : "") + (i === selected ? " selected" : "");
     span.textContent = text;
     span.dataset.index = String(i);
     span.dataset.step = String(token.step);
