@@ -61,24 +61,32 @@ class CompositeDrafter(SourceDrafter):
         self.fallback.start(prompts, sampling, vocab_size)
         self._fallback_ids = None
         self._matched: bool | None = None  # _all_match's answer for the current histories
+        self._found: dict[tuple[int, float | None], list[list[int]]] = {}  # the lookups, for the current histories
         self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
         self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """The timing-free rule: the lookup where it finds a draft, the fallback elsewhere."""
-        found = self.primary.lookups(num_draft_tokens)  # [] = no match
+        found = self._lookups(num_draft_tokens)  # [] = no match
         return self.propose_from(["lookup" if tokens else "model" for tokens in found], num_draft_tokens,
                                  uniforms, stop_below)
 
     def lookup_lengths(self, num_draft_tokens: int) -> tuple[list[int], list[bool]]:
-        found = self.primary.lookups(num_draft_tokens, min_score=0.0)  # any continuation
-        return [len(t) for t in found], [bool(t) for t in self.primary.lookups(num_draft_tokens)]
+        found = self._lookups(num_draft_tokens, 0.0)  # any continuation
+        return [len(t) for t in found], [bool(t) for t in self._lookups(num_draft_tokens)]
+
+    def _lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
+        """The primary's lookups, kept until the histories change (prompt lookup scans each row's history)."""
+        key = (num_draft_tokens, min_score)
+        if key not in self._found:
+            self._found[key] = self.primary.lookups(num_draft_tokens, min_score)
+        return self._found[key]
 
     def propose_from(self, sources: Sequence[str | None], num_draft_tokens: int, uniforms: torch.Tensor | None,
                      stop_below: Sequence[float] | None = None) -> Proposal:
         """Early stops (``stop_below``) apply to the fallback's rows; a lookup's block is never cut."""
-        any_found = self.primary.lookups(num_draft_tokens, min_score=0.0)
+        any_found = self._lookups(num_draft_tokens, 0.0)
         found = [tokens if source == "lookup" else [] for tokens, source in zip(any_found, sources, strict=True)]
         lookup = [b for b, tokens in enumerate(found) if tokens]
         self.lookup_rows += len(lookup)
@@ -137,12 +145,12 @@ class CompositeDrafter(SourceDrafter):
         return self._matched
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        self._matched = None
+        self._matched, self._found = None, {}
         self.primary.add_rows(prompts, sampling)
         self.fallback.add_rows(prompts, sampling)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        self._matched = None
+        self._matched, self._found = None, {}
         self.primary.update(num_accepted, new_tokens)
         if self._fallback_ids is None:  # the fallback did not propose this step
             self.fallback.update([0] * len(new_tokens), new_tokens)
@@ -155,7 +163,7 @@ class CompositeDrafter(SourceDrafter):
         self._fallback_ids = None
 
     def select_rows(self, rows: list[int]) -> None:
-        self._matched = None
+        self._matched, self._found = None, {}
         self.primary.select_rows(rows)
         self.fallback.select_rows(rows)
 
