@@ -69,10 +69,11 @@ async def _client(http: httpx.AsyncClient, i: int) -> int:
     return chunks
 
 
-async def _round(url: str) -> list[int]:
-    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=0)
+async def _round(url: str, clients: int = CLIENTS) -> list[int]:
+    """One round: ``clients`` streamed clients at once; the chunks each received."""
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
-        return await asyncio.gather(*(_client(http, i) for i in range(CLIENTS)))
+        return await asyncio.gather(*(_client(http, i) for i in range(clients)))
 
 
 def _census() -> Counter[str]:
