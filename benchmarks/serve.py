@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from run import cpu_name  # noqa: E402
 from verispec import SpeculativeDecoder  # noqa: E402
-from verispec.cli import build_decoder  # noqa: E402
+from verispec.cli.common import build_decoder  # noqa: E402
 from verispec.models import eos_token_ids  # noqa: E402
 from verispec.serving.engine import Engine  # noqa: E402
 from verispec.serving.app import create_app  # noqa: E402

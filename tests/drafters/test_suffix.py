@@ -587,15 +587,16 @@ def test_generate_with_suffix_drafts_equals_the_target_alone(saved, capsys) -> N
 
 def test_serve_scopes_suffix_drafts_by_key_when_keys_are_set(saved, monkeypatch) -> None:
     from verispec import cli
+    from verispec.cli import commands, common
 
     monkeypatch.delenv("VERISPEC_API_KEY", raising=False)
     seen = []
 
     def capture(args, progress=None):
-        seen.append(cli._suffix_options(args))
+        seen.append(common.suffix_options(args))
         raise cli.CliError("stop here")
 
-    monkeypatch.setattr(cli, "build_decoder", capture)
+    monkeypatch.setattr(commands, "build_decoder", capture)
     base = ["serve", "--target", saved["target"], "--draft", "suffix"]
     for extra in (["--api-key", "k1"], [], ["--api-key", "k1", "--suffix-scope", "global"]):
         assert cli.main(base + extra) == 2

@@ -1,0 +1,197 @@
+"""The ``verispec`` command line: ``generate`` (stream text), ``demo`` (the README's main command), ``batch`` (an
+offline job over a file of prompts), ``serve`` (an OpenAI-compatible HTTP server).
+
+This module holds the parser and ``main``; ``commands`` runs each command, ``common`` holds what they share. Nothing
+here imports torch or transformers before a command runs, so that ``--help`` and ``--version`` answer at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..version import __version__
+from .commands import cmd_batch, cmd_demo, cmd_generate, cmd_serve
+from .common import CliError, log
+
+__all__ = ["CliError", "build_parser", "main"]
+
+
+def _add_ray_serve_args(srv: argparse.ArgumentParser) -> None:
+    """Replicas on Ray Serve (README: *Scaling out on Ray*)."""
+    srv.add_argument("--replicas", type=int, default=None, metavar="N",
+                     help="serve N replicas on Ray Serve, each with its own engine and models (default: one process, "
+                          "no Ray)")
+    srv.add_argument("--ray-address", default=None, metavar="A",
+                     help="join this Ray cluster (default with --replicas: a local Ray instance on loopback)")
+    srv.add_argument("--min-replicas", type=int, default=None, metavar="N", help="autoscaling lower bound")
+    srv.add_argument("--max-replicas", type=int, default=None, metavar="N", help="autoscaling upper bound")
+    srv.add_argument("--cpus-per-replica", type=float, default=1.0, metavar="C")
+    srv.add_argument("--gpus-per-replica", type=float, default=0.0, metavar="G")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None, metavar="N",
+                     help="HTTP requests one replica takes at once; the rest wait in Ray's queue for any replica "
+                          "(default: --max-batch-size)")
+
+
+def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
+    parser.add_argument("--draft", default=draft_default,
+                        help="zoo name, folder, .gguf path, 'ngram', 'suffix' (suffix decoding), 'suffix+MODEL' "
+                             "(suffix decoding where it scores high, else the model) or 'none'")
+    parser.add_argument("--suffix-cache-size", type=int, default=None, metavar="N",
+                        help="with --draft suffix: earlier responses kept for drafting (all scopes together), the "
+                             "oldest evicted first (default 1024; 0: each request's own text only)")
+    parser.add_argument("--num-draft-tokens", default="auto", metavar="G",
+                        help="most draft tokens per step: an integer (exact; 0 never drafts), 'auto' (the speculation "
+                             "controller chooses up to 12, default) or 'heuristic'")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--no-fast", dest="fast", action="store_false",
+                        help="do not pre-pack the target's linear layers nor quantise the draft")
+    parser.add_argument("--draft-quant", choices=["int4", "int8", "none"], default="int4",
+                        help="CPU draft weights: int4 (default; int8 where the int4 kernel cannot run), int8 or none")
+    parser.add_argument("--cross-tokenizer", choices=["text", "intersection"], default="text",
+                        help="a draft with another tokenizer drafts through text (default) or the tokens both "
+                             "vocabularies share")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="skip the few seconds of timed steps at load that price draft lengths for the first request")
+    parser.add_argument("--stop-drafting", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --num-draft-tokens auto and a draft model: end a block early once the draft's "
+                             "own confidence in it is below the controller's threshold (default: on)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N")
+
+
+def _add_serve_security_args(srv: argparse.ArgumentParser) -> None:
+    """Who may call the server, how much it accepts, how it stops (README: *Running it in production*)."""
+    from ..serving.config import ServerOptions
+
+    defaults = ServerOptions()
+    srv.add_argument("--api-key", action="append", metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (repeat for several keys; also "
+                          "VERISPEC_API_KEY, comma-separated)")
+    srv.add_argument("--api-key-file", metavar="PATH", help="a file of API keys, one a line (# comments)")
+    srv.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    srv.add_argument("--allowed-hosts", action="append", metavar="HOSTS",
+                     help="Host header values accepted, comma-separated ('*.example.com' patterns, '*' for any; "
+                          "default: loopback names when --host is loopback, else any)")
+    srv.add_argument("--docs", action="store_true", help="serve /docs and /redoc (off by default)")
+    srv.add_argument("--no-playground", dest="playground", action="store_false",
+                     help="do not serve the playground page at /playground (and / redirecting to it)")
+    srv.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes, metavar="N",
+                     help=f"largest request body, checked while it is read: 413 (default {defaults.max_request_bytes})")
+    srv.add_argument("--max-choices", type=int, default=defaults.max_choices, metavar="N",
+                     help=f"prompts x n per request: 400 beyond (default {defaults.max_choices})")
+    srv.add_argument("--max-request-tokens", type=int, default=defaults.max_request_tokens, metavar="N",
+                     help=f"prompts x n x max_tokens per request: 400 beyond (default {defaults.max_request_tokens})")
+    srv.add_argument("--max-queued-tokens", type=int, default=defaults.max_queued_tokens, metavar="N",
+                     help="the same summed over requests admitted and not finished: 429 with Retry-After beyond "
+                          f"(default {defaults.max_queued_tokens})")
+    srv.add_argument("--max-rows-per-request", type=int, default=None, metavar="N",
+                     help="batch slots one request's choices hold at once (default: half of --max-batch-size)")
+    srv.add_argument("--shutdown-timeout", type=float, default=defaults.shutdown_timeout, metavar="S",
+                     help="seconds in-flight requests get after SIGTERM/SIGINT; then they end with finish_reason "
+                          f"'error' (default {defaults.shutdown_timeout:g}); a second signal exits at once")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, temperature_help: str) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+
+
+def _add_debug_arg(parser: argparse.ArgumentParser, default: object = argparse.SUPPRESS) -> None:
+    """--debug before or after the command: a sub-command's copy leaves the value alone unless it is given
+    (``SUPPRESS``), so ``verispec --debug generate`` and ``verispec generate --debug`` mean the same."""
+    parser.add_argument("--debug", action="store_true", default=default, help="show tracebacks on errors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verispec", description="Exact speculative decoding for Hugging Face causal language models.")
+    parser.add_argument("--version", action="version", version=f"verispec {__version__}")
+    _add_debug_arg(parser, default=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text, streamed as it is accepted")
+    _add_model_args(gen, draft_default="qwen2.5-coder-0.5b")
+    gen.add_argument("--prompt", help="prompt text (or --prompt-file, or stdin)")
+    gen.add_argument("--prompt-file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_sampling_args(gen, "0 = greedy (default)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--min-p", type=float, default=None)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers': prompt and output")
+    gen.add_argument("--min-tokens", type=int, default=0, help="EOS masked before this many tokens")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    _add_debug_arg(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="real model pair: target alone vs speculative, identical output, speed-up")
+    _add_model_args(demo, draft_default="qwen2.5-coder-0.5b")
+    demo.set_defaults(max_new_tokens=64)
+    demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
+    _add_debug_arg(demo)
+    demo.set_defaults(func=cmd_demo)
+
+    bat = sub.add_parser("batch", help="offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)")
+    _add_model_args(bat, draft_default="qwen2.5-coder-0.5b")
+    bat.set_defaults(num_draft_tokens="heuristic")  # timing-free: every run decodes the same blocks
+    bat.add_argument("--input", required=True, help="JSONL or .parquet rows: prompt or messages, max_tokens, "
+                                                    "temperature, top_p, top_k, seed; other fields kept as they are")
+    bat.add_argument("--output", required=True, help="JSONL: the input rows plus the completions (rows already "
+                                                     "there are skipped, so a killed job resumes)")
+    bat.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="Ray Data actors, each holding the models (default: decode in-process)")
+    bat.add_argument("--batch-size", type=int, default=16, metavar="B",
+                     help="consecutive input rows decoded together (16); keep it when resuming")
+    _add_sampling_args(bat, "for rows without one: 0 = greedy (default)")
+    bat.add_argument("--seed", type=int, default=None,
+                     help="job seed: a sampled row without its own seed samples with one derived from it and its index")
+    bat.add_argument("--ray-address", default=None, metavar="A",
+                     help="a Ray cluster to run the workers on (default: a local Ray instance on loopback)")
+    bat.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C")
+    bat.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G")
+    bat.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_debug_arg(bat)
+    bat.set_defaults(func=cmd_batch)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    _add_model_args(srv, draft_default="qwen2.5-coder-0.5b")
+    srv.set_defaults(max_new_tokens=None)  # per request: max_tokens, else OpenAI's defaults
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-batch-size", type=int, default=32, metavar="B", help="rows decoded together (32)")
+    srv.add_argument("--model-name", default=None,
+                     help="the model id clients send (default: the zoo name or Hub id, or the folder's or file's own "
+                          "name: never a path)")
+    srv.add_argument("--max-context", type=int, default=None, metavar="N",
+                     help="prompt + generated tokens per request (default: the model's maximum length)")
+    srv.add_argument("--log-level", default="info", help="uvicorn's log level (info)")
+    srv.add_argument("--suffix-scope", choices=["global", "key", "request"], default=None,
+                     help="with --draft suffix: whose earlier responses a request's drafts may come from: every "
+                          "request's, its API key's, or none (default: key when API keys are set, else global)")
+    _add_serve_security_args(srv)
+    _add_ray_serve_args(srv)
+    _add_debug_arg(srv)
+    srv.set_defaults(func=cmd_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
+    except Exception as error:  # one clear line unless --debug
+        if args.debug:
+            raise
+        message = str(error) if isinstance(error, (CliError, ValueError)) else f"{type(error).__name__}: {error}"
+        print(f"verispec: error: {message}", file=sys.stderr)
+        return 2

@@ -1,0 +1,151 @@
+"""What the commands share: the one error type users see, reading the prompt, checking arguments before any
+model loads, building the decoder through the library's factory, and writing text as tokens arrive.
+
+Plain Python at import: torch and transformers are imported inside the functions that need them, so that
+``verispec --help`` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from ..text import ChatTemplateError, TextState, chat_prompt_ids
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
+def log(message: str) -> None:
+    print(f"[verispec] {message}", file=sys.stderr, flush=True)
+
+
+def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = log):
+    """Load the target (and draft) named by ``args`` with the library factory; returns ``(decoder, tokenizer)``."""
+    from ..factory import load
+    from ..models import LoadError
+
+    gamma = gamma_arg(args.num_draft_tokens)
+    try:
+        return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
+                    draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
+                    cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
+                    stop_drafting=getattr(args, "stop_drafting", True), calibrate=getattr(args, "calibrate", True),
+                    **suffix_options(args))
+    except LoadError as error:
+        raise CliError(str(error)) from error
+
+
+def suffix_options(args: argparse.Namespace) -> dict:
+    """``load``'s suffix decoding options from the command line (its cache size; serve's scope)."""
+    return {"suffix_cache_size": getattr(args, "suffix_cache_size", None),
+            "suffix_scope": getattr(args, "suffix_scope", None) or "global"}
+
+
+def _int_arg(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"--num-draft-tokens must be an integer, 'auto' or 'heuristic', got {value!r}") from None
+
+
+# The sampling flags of each command, by their ``SamplingParams`` names (``generate`` takes the same keywords).
+GENERATE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_tokens")
+
+
+BATCH_SAMPLING = ("temperature", "top_k", "top_p")  # the defaults of rows that give none (``JobDefaults``)
+
+
+def check_request_args(args: argparse.Namespace, sampling_names: tuple[str, ...] = ()) -> None:
+    """Refuse sampling settings and a token budget that generation would refuse, before any model loads: the
+    library's own rules (``SamplingParams``, ``validate_request``), with the model-free half of the limits (one
+    token id, no length limit); the decoder checks again against its models. Raises ``ValueError``."""
+    from ..core.sampling import SamplingParams
+    from ..decode.requests import ModelLimits, validate_request
+
+    sampling = SamplingParams(**{name: getattr(args, name) for name in sampling_names})
+    if args.max_new_tokens is not None:
+        validate_request(ModelLimits(vocab_size=1, input_limit=1, max_positions=None), [[0]], sampling,
+                         args.max_new_tokens, seed=getattr(args, "seed", None))
+
+
+def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
+    """Refuse what ``verispec.load`` would refuse, before any model loads: dtype, device (and, with ``here``,
+    whether this machine has it), the draft options, and the target and draft names (``here``: on this
+    machine's disk or in the zoo; ``here=False`` when Ray workers load the models elsewhere)."""
+    from ..factory import check_load_options
+    from ..models import LoadError
+
+    try:
+        check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,
+                           draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, here=here,
+                           num_draft_tokens=gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting,
+                           **suffix_options(args))
+    except LoadError as error:
+        raise CliError(str(error)) from error
+
+
+def gamma_arg(value: str) -> int | str:
+    return value if value in ("auto", "heuristic") else _int_arg(value)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        try:
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+        except ChatTemplateError as error:
+            raise CliError(f"--chat: {error}") from error
+    else:
+        ids = tokenizer(text)["input_ids"]
+    if not ids:
+        raise CliError("the prompt is empty after tokenisation")
+    return list(ids)
+
+
+class TextStream:
+    """Writes a completion's text as its tokens arrive (``generate``'s ``on_tokens``); ``close()`` writes the
+    rest and returns the whole text. Without ``out`` it only collects the text."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], out=None) -> None:
+        self.state, self.out = TextState(tokenizer, prompt_ids), out
+
+    def __call__(self, row: int, tokens: list[int]) -> None:
+        self._write(self.state.add(tokens))
+
+    def close(self) -> str:
+        self._write(self.state.flush())
+        return self.state.text
+
+    def _write(self, text: str) -> None:
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def generate_streamed(decoder, tokenizer, prompt_ids: list[int], out, **options):
+    """``decoder.generate`` on one prompt, its text written to ``out`` (if given) as the tokens come; returns
+    the output and the whole text."""
+    stream = TextStream(tokenizer, prompt_ids, out)
+    result = decoder.generate([prompt_ids], on_tokens=stream, **options)
+    return result, stream.close()
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text from --prompt, --prompt-file or stdin; an empty one is refused here, before loading."""
+    if args.prompt is not None:
+        text, source = args.prompt, "--prompt"
+    elif args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as handle:
+                text, source = handle.read(), f"--prompt-file {args.prompt_file}"
+        except OSError as error:
+            raise CliError(f"cannot read --prompt-file: {error}") from error
+    elif sys.stdin.isatty():
+        raise CliError("no prompt: give --prompt, --prompt-file, or pipe text on stdin")
+    else:
+        text, source = sys.stdin.read(), "stdin"
+    if not text:
+        raise CliError(f"the prompt is empty ({source})")
+    return text
