@@ -29,13 +29,14 @@ class IncrementalDecoder:
     The concatenated pieces (``push`` for every token, then ``flush``) equal the tokenizer's decoding of
     the context and all tokens, minus the context's own text, for any tokenizer whose decoding of a token
     sequence starts with its decoding of every prefix that ends on a whole character (byte-level BPE,
-    sentencepiece with byte fallback, word-level). Decoding skips special tokens and never applies the
+    sentencepiece with byte fallback, word-level). Decoding skips special tokens (unless
+    ``skip_special_tokens=False``: a drafter re-tokenising the whole text keeps them) and never applies the
     tokenizer's optional clean-up of spaces before punctuation: that clean-up would rewrite text already
     sent when the next token arrives.
     """
 
-    def __init__(self, tokenizer, context_ids: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, context_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         context = list(context_ids[-CONTEXT_TOKENS:])
         if self.decode(context).endswith(REPLACEMENT):  # the prompt ends inside a character: no context
             context = []
@@ -47,7 +48,8 @@ class IncrementalDecoder:
     def decode(self, ids: Sequence[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def text_of(self, token_ids: Sequence[int]) -> str:
         """The text of ``token_ids`` decoded at once after the context: what the pieces join to."""
@@ -68,6 +70,11 @@ class IncrementalDecoder:
         """The text still held back (an unfinished character shows as U+FFFD): no more tokens will come."""
         text = self.decode(self._window)
         return self._advance(text) if len(text) > len(self._read_text) else ""
+
+    def pending(self) -> str:
+        """The text held back so far, without returning it: what ``flush`` would return now."""
+        text = self.decode(self._window)
+        return text[len(self._read_text):] if len(text) > len(self._read_text) else ""
 
     def _advance(self, text: str) -> str:
         piece = text[len(self._read_text):]

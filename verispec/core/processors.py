@@ -29,14 +29,70 @@ import torch
 from .sampling import SamplingParams
 
 
-def _counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """``[n, V]`` float32 occurrence counts of the ids below ``vocab_size`` in each row (one scatter for all)."""
+def _scatter_counts(rows: Sequence[Sequence[int]], vocab_size: int) -> torch.Tensor:
+    """``[n, V]`` float32 occurrence counts (on the CPU) of the ids below ``vocab_size`` in each row."""
     flat = torch.tensor([t for ids in rows for t in ids], dtype=torch.long)  # [N]
     row_of = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor([len(ids) for ids in rows]))  # [N]
     flat = torch.where(flat < vocab_size, flat, vocab_size)  # ids beyond the vocabulary go to a spare column
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32)  # [n, V+1]
     counts.index_put_((row_of, flat), torch.ones(len(flat)), accumulate=True)
-    return counts[:, :vocab_size].to(device)
+    return counts[:, :vocab_size]
+
+
+class TokenHistory(list):
+    """A row's token list that keeps its own occurrence counts, so that processing a step costs the same at
+    the 2,000th token as at the first: ``append`` / ``extend`` fold only the new tokens into the counts (on
+    the next :meth:`counts`); any other change (``del``, assignment, ``pop``...) drops them, and the next call
+    recounts the whole list, so the counts always describe the list as it is."""
+
+    counted_tokens = 0  # tokens folded into counts over this object's life (tests bound the work with it)
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        super().__init__(tokens)
+        self._counts: torch.Tensor | None = None  # [V] float32: the first ``_folded`` tokens' counts
+        self._folded = 0
+
+    def counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """``[V]`` float32 counts of the ids below ``vocab_size`` (callers must not modify it)."""
+        stale = self._counts is None or self._counts.shape[0] != vocab_size or self._counts.device != device
+        if stale or self._folded > len(self):
+            self._counts, self._folded = torch.zeros(vocab_size, dtype=torch.float32, device=device), 0
+        if self._folded < len(self):
+            new = self[self._folded:]
+            self._counts += _scatter_counts([new], vocab_size)[0].to(device)
+            self.counted_tokens += len(new)
+            self._folded = len(self)
+        return self._counts
+
+    def _changed(self) -> None:
+        self._counts, self._folded = None, 0
+
+
+def _mutator(name: str):
+    """``list.<name>`` that first drops the counts (appending needs no hook: counts follow the length)."""
+
+    def method(self, *args, **kwargs):
+        self._changed()
+        return getattr(list, name)(self, *args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+for _name in ("__setitem__", "__delitem__", "insert", "pop", "remove", "clear", "sort", "reverse", "__imul__"):
+    setattr(TokenHistory, _name, _mutator(_name))
+
+
+def _counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[n, V]`` float32 occurrence counts of the ids below ``vocab_size`` in each row: a ``TokenHistory``'s
+    own (work per step independent of its length), other rows counted afresh (one scatter for all of them)."""
+    fresh = [b for b, ids in enumerate(rows) if not isinstance(ids, TokenHistory)]
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)  # [n, V]
+    if fresh:
+        counts[fresh] = _scatter_counts([rows[b] for b in fresh], vocab_size).to(device)
+    for b, ids in enumerate(rows):
+        if isinstance(ids, TokenHistory):
+            counts[b] = ids.counts(vocab_size, device)
+    return counts
 
 
 def process_logits(

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from ..core.block import verify_rows
 from ..core.logprobs import TokenLogprob, emitted_logprobs
-from ..core.processors import process_logits
+from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
@@ -54,7 +54,7 @@ class Row:
     on_tokens: Callable[[list[int]], None] | None = None
     verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
     logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
-    output: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=TokenHistory)  # keeps its penalty counts as it grows
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
     error: str | None = None  # what went wrong, for reason "error"

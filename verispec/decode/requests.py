@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.logprobs import MAX_TOP_LOGPROBS
+from ..core.processors import TokenHistory
 from ..core.sampling import SamplingParams
 from ..core.streams import row_generator
 from ..policy import GammaPolicy
@@ -54,7 +55,7 @@ class Request:
         callbacks = on_tokens if on_tokens is not None else [None] * len(self.prompts)
         grammar = self.sampling.grammar
         return [
-            Row(key=key, prompt=prompt,
+            Row(key=key, prompt=TokenHistory(prompt),  # its counts, for the repetition penalty, made once
                 sampling=self.sampling if grammar is None else dataclasses.replace(self.sampling, grammar=grammar.fresh()), max_new_tokens=self.max_new_tokens,
                 eos_ids=self.eos_ids, generator=None if self.sampling.greedy else row_generator(self.seed, b),
                 policy=policy.for_row(), on_tokens=callback, logprobs=self.logprobs)

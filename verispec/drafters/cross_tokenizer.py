@@ -6,6 +6,12 @@ can change the last few draft tokens), is fed the rest, and drafts ``k + 2`` tok
 encoded with the target's tokenizer (together with the last committed target token, so that a word split across
 the boundary is tokenised as the target would) and the first ``k`` target tokens are the proposal.
 
+The work per step does not grow with the text: the target's text is decoded incrementally (``text.
+IncrementalDecoder``), and only the text after a running anchor is re-tokenised, the anchor being a draft-token
+boundary ``ANCHOR_MARGIN`` tokens behind the end (found from a fast tokenizer's offsets; a slow tokenizer keeps
+its anchor at the start and re-tokenises everything, as before). Drafted text is decoded after a window of
+``TEXT_WINDOW`` draft tokens, not the whole context.
+
 Exact for any pair of tokenizers: the proposal is a deterministic function of the committed tokens (no draw of
 this step enters it), so it is verified as a one-hot draft (``draft_probs=None``): greedy output is the
 target's own, sampled tokens follow the target's distribution (token-wise and block verification alike).
@@ -22,7 +28,41 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, padded_positions
 from ..models.capability import model_vocab_size
+from ..text import IncrementalDecoder
 from .base import Drafter, Proposal, common_prefix
+
+ANCHOR_MARGIN = 16  # draft tokens re-tokenised each step behind the text's end (new text changes the last few)
+TEXT_WINDOW = 8  # draft tokens decoded before the drafted ones, to cut the drafted text at the right character
+
+
+class _RowText:
+    """One row's committed text and the draft tokens for it up to an anchor that no longer moves."""
+
+    def __init__(self, target_tokenizer: PreTrainedTokenizerBase) -> None:
+        self.pieces = IncrementalDecoder(target_tokenizer, skip_special_tokens=False)
+        self.final = ""  # text that later tokens cannot change
+        self.decoded = 0  # committed tokens pushed into ``pieces``
+        self.anchor_chars = 0  # text[:anchor_chars] is tokenised as the first ``anchor_tokens`` draft tokens
+        self.anchor_tokens = 0
+
+    def text(self, committed: list[int]) -> str:
+        """The text of ``committed`` (which extends what this row saw before), as one decode would give it."""
+        for token in committed[self.decoded:]:
+            self.final += self.pieces.push(token)
+        self.decoded = len(committed)
+        return self.final + self.pieces.pending()
+
+    def advance(self, offsets: list[tuple[int, int]] | None) -> None:
+        """Move the anchor to a token boundary ``ANCHOR_MARGIN`` tokens before the end of the tail just
+        tokenised (``offsets``: each tail token's character span, relative to the anchor), inside final text."""
+        if offsets is None:
+            return
+        for j in range(len(offsets) - ANCHOR_MARGIN, 0, -1):
+            start = offsets[j][0]
+            if offsets[j - 1][1] <= start and self.anchor_chars + start <= len(self.final):
+                self.anchor_chars += start
+                self.anchor_tokens += j
+                return
 
 
 class CrossTokenizerDrafter(Drafter):
@@ -48,6 +88,7 @@ class CrossTokenizerDrafter(Drafter):
         self.vocab_size = vocab_size
         self.lm.reset(0)
         self.committed: list[list[int]] = []  # per row: the target tokens committed so far
+        self.texts: list[_RowText] = []  # per row: its text, and the anchor of its draft tokens
         self.fed: list[list[int]] = []  # per row: the draft tokens in the draft's cache (its valid slots, in order)
         self.synced: list[int] = []  # per row: how many committed tokens the draft's cache has seen
         self._ready_logits: torch.Tensor | None = None  # [B, V_d] after a catch-up pass, for the next proposal
@@ -56,6 +97,7 @@ class CrossTokenizerDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """New rows start with an empty draft cache: their prompt is fed at their first proposal."""
         self.committed += [list(p) for p in prompts]
+        self.texts += [_RowText(self.target_tokenizer) for _ in prompts]
         self.fed += [[] for _ in prompts]
         self.synced += [0 for _ in prompts]
         empty = CachedLM(self.model, check=False)
@@ -80,11 +122,15 @@ class CrossTokenizerDrafter(Drafter):
         """Bring every row's draft cache in line with its committed text; returns the tokens to feed per row."""
         to_feed = []
         for row, committed in enumerate(self.committed):
-            text = self.target_tokenizer.decode(committed)
-            draft_ids = self.draft_tokenizer.encode(text, add_special_tokens=False) or [0]
-            keep = min(common_prefix(self.fed[row], draft_ids), len(draft_ids) - 1)  # feed >= 1 token for logits
-            self._forget(row, len(self.fed[row]) - keep)
-            to_feed.append(draft_ids[keep:])
+            text, fed = self.texts[row], self.fed[row]
+            tail = text.text(committed)[text.anchor_chars:]
+            fast = self.draft_tokenizer.is_fast
+            encoded = self.draft_tokenizer(tail, add_special_tokens=False, return_offsets_mapping=fast)
+            tail_ids = list(encoded["input_ids"]) or [0]
+            kept = min(common_prefix(fed[text.anchor_tokens:], tail_ids), len(tail_ids) - 1)  # feed >= 1 token
+            self._forget(row, len(fed) - text.anchor_tokens - kept)
+            to_feed.append(tail_ids[kept:])
+            text.advance(list(encoded["offset_mapping"]) if fast and encoded["input_ids"] else None)
         self._compact()
         return to_feed
 
@@ -118,7 +164,8 @@ class CrossTokenizerDrafter(Drafter):
         return logits, ids.numel() - ids.shape[0]
 
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
-        """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts``."""
+        """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts`` (the last
+        draft tokens before them)."""
         out = []
         for row, context in enumerate(contexts):
             before = self.draft_tokenizer.decode(context)
@@ -140,7 +187,7 @@ class CrossTokenizerDrafter(Drafter):
         k, rows = num_draft_tokens, len(self.committed)
         logits, _ = self._feed_committed()
         logits = logits[:, : self.draft_vocab]  # [B, V_d]
-        contexts = [list(f) for f in self.fed]  # the committed text, in draft tokens
+        contexts = [f[-TEXT_WINDOW:] for f in self.fed]  # the end of the committed text, in draft tokens
         drafted = [logits.argmax(dim=-1)]  # [B] each
         for _ in range(k + self.extra_draft_tokens - 1):
             step = drafted[-1][:, None]  # [B, 1]
@@ -165,5 +212,6 @@ class CrossTokenizerDrafter(Drafter):
     def select_rows(self, rows: list[int]) -> None:
         self.lm.select_rows(rows)
         self.committed = [self.committed[r] for r in rows]
+        self.texts = [self.texts[r] for r in rows]
         self.fed = [self.fed[r] for r in rows]
         self.synced = [self.synced[r] for r in rows]

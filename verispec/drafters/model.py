@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ..core.processors import process_logits
+from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.cache import CachedLM, left_pad, padded_positions
 from .base import Drafter, Proposal, per_row
@@ -77,8 +77,8 @@ class ModelDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """Append rows with an empty draft cache and the whole prompt pending (prefilled at the next proposal)."""
         self.params += list(sampling)
-        self.prompts += [list(p) for p in prompts]
-        self.generated += [[] for _ in prompts]
+        self.prompts += [TokenHistory(p) for p in prompts]
+        self.generated += [TokenHistory() for _ in prompts]  # counts kept as they grow
         self.pending += [list(p) for p in prompts]
         self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
         empty = CachedLM(self.model, check=False)
