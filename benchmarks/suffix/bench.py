@@ -100,9 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--general", type=int, default=4, help="prompts of benchmarks/prompts.json")
     parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--replot", metavar="JSON", help="only rebuild the table and plot of a finished run")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return finish(json.loads(Path(args.replot).read_text()), out)
 
     decoder, tokenizer = verispec.load(args.target, args.draft, draft_quant="int4", num_draft_tokens="auto",
                                        progress=log)
@@ -150,15 +153,52 @@ def main(argv: list[str] | None = None) -> int:
             for record in records[-len(order):]:
                 record["identical"] = outputs[record["method"]] == outputs["alone"]
             (out / "bench.json").write_text(json.dumps(report, indent=1))  # kept as it goes
-    kinds = ["repetitive", "general"]
-    done = max(r["repeat"] for r in records) + 1
+    return finish(report, out)
+
+
+def finish(report: dict, out: Path) -> int:
+    """Medians over the repeats that finished (every prompt done), the table and the plot."""
+    records = report["records"]
+    kinds, per_repeat = ["repetitive", "general"], len(report["prompts"]) * len(METHODS)
+    done = sum(1 for r in range(report["settings"]["repeats"])
+               if sum(x["repeat"] == r for x in records) == per_repeat)
+    records = [x for x in records if x["repeat"] < done]
     table = summarise(records, list(METHODS), kinds, done)
+    report["repeats_done"] = done
     report["tokens_per_s"] = table
     report["speedup_vs_alone"] = {m: {k: ratio(table, m, "alone", k) for k in kinds + ["all"]} for m in METHODS}
-    report["all_identical"] = all(r["identical"] for r in records)
+    report["all_identical"] = all(r["identical"] for r in report["records"] if r["identical"] is not None)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-    print(markdown(report, kinds))
+    text = markdown(report, kinds)
+    (out / "bench.md").write_text(text + "\n")
+    print(text)
+    plot(report, kinds, out / "bench.png")
     return 0 if report["all_identical"] else 1
+
+
+def plot(report: dict, kinds: list[str], path: Path) -> None:
+    """Speed-up over the target alone per workload: median bars, min-max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.8 / len(METHODS)
+    for i, method in enumerate(METHODS):
+        stats = [report["speedup_vs_alone"][method][k] for k in kinds]
+        xs = [j + i * width for j in range(len(kinds))]
+        medians = [s["median"] for s in stats]
+        errors = [[m - s["min"] for m, s in zip(medians, stats)], [s["max"] - m for m, s in zip(medians, stats)]]
+        ax.bar(xs, medians, width, yerr=errors, capsize=3, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(kinds))], kinds)
+    ax.set_ylabel("tokens/s vs the target alone")
+    ax.set_title(f"Qwen2.5-Coder 1.5B, greedy, {report['settings']['max_new_tokens']} new tokens, "
+                 f"{report['repeats_done']} repeats")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def markdown(report: dict, kinds: list[str]) -> str:
