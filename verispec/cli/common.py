@@ -32,7 +32,7 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
                     draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
                     cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
                     stop_drafting=getattr(args, "stop_drafting", True), calibrate=getattr(args, "calibrate", True),
-                    **suffix_options(args))
+                    backend=getattr(args, "backend", "auto"), **suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
 
@@ -82,7 +82,7 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
         check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,
                            draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, here=here,
                            num_draft_tokens=gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting,
-                           **suffix_options(args))
+                           backend=getattr(args, "backend", "auto"), **suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
 
