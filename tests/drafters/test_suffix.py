@@ -376,7 +376,7 @@ def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
         assert metrics["sources"]["suffix"]["hits"] > 0
         served = Metrics(engine.metrics, lambda: 0)
         for c in [first] + rest + [again]:
-            assert c.finish.stats["sources"]["suffix"]["draft_tokens"] == c.finish.stats["draft_tokens"]
+            assert c.finish.stats.sources["suffix"].draft_tokens == c.finish.stats.draft_tokens
             served.count_engine_finish(c.finish.reason, c.finish.stats)
         text = served.render().decode()
         assert f'verispec_drafter_draft_tokens_total{{drafter="suffix"}} {float(metrics["draft_tokens"])}' in text
@@ -397,7 +397,7 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_after_other_requests() -
         crowded = _submit(engine, request)
         for c in others + [crowded]:
             assert c.done.wait(60)
-        assert crowded.tokens == alone.tokens and alone.finish.stats["draft_tokens"] > 0
+        assert crowded.tokens == alone.tokens and alone.finish.stats.draft_tokens > 0
         assert alone.finish.reason == crowded.finish.reason == "length" and len(alone.tokens) == 20
     finally:
         engine.shutdown()

@@ -57,7 +57,7 @@ def test_requests_joining_a_running_batch_keep_their_greedy_output(engine) -> No
         assert c.done.wait(60)
     for i, c in enumerate(collectors):
         assert c.tokens == reference_greedy(target, prompt(2 + i, i), 10 + 2 * i)
-        assert c.finish.reason == "length" and c.finish.stats["completion_tokens"] == len(c.tokens)
+        assert c.finish.reason == "length" and c.finish.stats.completion_tokens == len(c.tokens)
     metrics = engine.metrics()
     assert metrics["running"] == 0 and metrics["waiting"] == 0 and metrics["requests_total"] == {"length": 9}
 
@@ -129,7 +129,7 @@ def test_max_new_tokens_zero_finishes_at_once_with_length_and_no_tokens(engine) 
     # The same rule as generate(max_new_tokens=0): one validation path for both.
     nothing = submit(engine, EngineRequest(prompt(4, 1), max_new_tokens=0))
     assert nothing.done.wait(60)
-    assert nothing.finish.reason == "length" and nothing.tokens == [] and nothing.finish.stats["completion_tokens"] == 0
+    assert nothing.finish.reason == "length" and nothing.tokens == [] and nothing.finish.stats.completion_tokens == 0
     assert engine.metrics()["requests_total"] == {"length": 1}
 
 
@@ -258,14 +258,14 @@ def test_finish_stats_count_drafts_and_acceptance_per_position(engine) -> None:
     c = submit(engine, EngineRequest(prompt(6, 11), max_new_tokens=30))
     assert c.done.wait(60)
     stats = c.finish.stats
-    per_position = stats["accepted_per_position"]
-    passes = round(stats["completion_tokens"] / stats["tokens_per_target_pass"])
-    assert 0 < stats["num_drafts"] <= passes  # at most once per target pass
-    assert sum(per_position) == stats["accepted_tokens"] > 0
+    per_position = list(stats.accepted_per_position)
+    passes = stats.target_passes
+    assert 0 < stats.num_drafts <= passes  # at most once per target pass
+    assert sum(per_position) == stats.accepted_tokens > 0
     assert all(a >= b for a, b in itertools.pairwise(per_position))  # draft i+1 kept only after draft i
-    assert per_position[0] <= stats["num_drafts"]
+    assert per_position[0] <= stats.num_drafts
     metrics = engine.metrics()
-    assert metrics["num_drafts"] == stats["num_drafts"] and metrics["accepted_per_position"] == per_position
+    assert metrics["num_drafts"] == stats.num_drafts and metrics["accepted_per_position"] == per_position
     assert metrics["batch_size"] == metrics["running"] == 0  # "batch_size": deprecated alias, one release
 
 

@@ -21,7 +21,6 @@ import itertools
 import logging
 import threading
 import time
-import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -63,10 +62,39 @@ class TokensEvent:
     block: Block | None = None  # the step that committed them: how many drafts it had and kept
 
 
+@dataclass(frozen=True)
+class RowStats:
+    """One finished request's counters, as the engine counted them (what the server's telemetry and metrics
+    read): nothing here is reconstructed from a ratio."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    num_drafts: int = 0  # target passes in which the row drafted at least one token
+    target_passes: int = 0  # target passes that committed tokens for the row
+    accepted_per_position: tuple[int, ...] = ()  # [i]: times draft position i was kept
+    sources: Mapping[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share of the drafting
+    time_to_first_token_s: float | None = None
+    total_time_s: float | None = None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_target_pass(self) -> float:
+        return self.completion_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        return self.draft_tokens / self.target_passes if self.target_passes else 0.0
+
+
 @dataclass
 class FinishEvent:
     reason: str  # "stop" (EOS), "length", "error" (NaN logits, a failing callback, an internal failure), "cancelled"
-    stats: dict
+    stats: RowStats
     error: str | None = None  # why, for "error"; also for "cancelled" when the engine (not the caller) ended it
 
 
@@ -421,22 +449,14 @@ class Engine:
             pending.on_event(FinishEvent(reason=row.reason, stats=_finish_stats(row, pending.submitted),
                                          error=row.error))
         except Exception:  # noqa: BLE001 - a broken callback must not take the engine down
-            traceback.print_exc()
+            log.exception("the finish callback of engine row %d (group %s) failed", row.key, pending.group)
 
 
-def _finish_stats(row: Row, submitted: float) -> dict:
-    passes = row.target_passes
-    return {
-        "prompt_tokens": len(row.prompt),
-        "completion_tokens": len(row.output),
-        "draft_tokens": row.draft_tokens,
-        "accepted_tokens": row.accepted_tokens,
-        "num_drafts": row.num_drafts,  # target passes in which the row drafted at least one token
-        "accepted_per_position": list(row.accepted_per_position),  # [i]: times draft position i was kept
-        "sources": {name: counts.to_dict() for name, counts in sorted(row.sources.items())},  # per drafter
-        "acceptance_rate": row.accepted_tokens / row.draft_tokens if row.draft_tokens else 0.0,
-        "tokens_per_target_pass": len(row.output) / passes if passes else 0.0,
-        "mean_draft_length": row.draft_tokens / passes if passes else 0.0,
-        "time_to_first_token_s": (row.first_token_time - submitted) if row.first_token_time else None,
-        "total_time_s": time.perf_counter() - submitted,
-    }
+def _finish_stats(row: Row, submitted: float) -> RowStats:
+    return RowStats(
+        prompt_tokens=len(row.prompt), completion_tokens=len(row.output), draft_tokens=row.draft_tokens,
+        accepted_tokens=row.accepted_tokens, num_drafts=row.num_drafts, target_passes=row.target_passes,
+        accepted_per_position=tuple(row.accepted_per_position),
+        sources={name: counts for name, counts in sorted(row.sources.items())},
+        time_to_first_token_s=(row.first_token_time - submitted) if row.first_token_time else None,
+        total_time_s=time.perf_counter() - submitted)

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.logprobs import TokenLogprob
 from ..text import TextOffsets, TextState
-from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent
+from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent, RowStats
 from .errors import ApiError
+from .provenance import ProvenanceLog
 from .responses import (
     AssistantMessage,
     ChatChoice,
@@ -28,17 +29,16 @@ from .responses import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCall,
+    FunctionCallDelta,
     Telemetry,
     TokenProvenance,
     TokenStream,
-    FunctionCall,
-    FunctionCallDelta,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from .provenance import ProvenanceLog
 from .tools import ToolCallParser, ToolSetup
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Choice:
     state: TextState | None = None  # made once the engine has accepted the request (its ids are in range)
     handle: Any = None
     finish_reason: str | None = None  # set when the engine's FinishEvent has been processed
-    stats: dict = field(default_factory=dict)
+    stats: RowStats | None = None  # the engine's counters, once it finished the choice
     error: str | None = None
     received: int = 0  # tokens received from the engine (past a stop string too)
     first_token_at: float | None = None
@@ -176,7 +176,7 @@ class Generation:
         def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
             if isinstance(event, FinishEvent):
                 try:
-                    self.server.metrics.count_engine_finish(event.reason, event.stats or {})
+                    self.server.metrics.count_engine_finish(event.reason, event.stats)
                 finally:  # the admitted work, and the event below, must never be lost
                     self.server.admission.finished(self.params.max_tokens)
             try:
@@ -237,7 +237,7 @@ class Generation:
 
     def _finish(self, choice: Choice, event: FinishEvent) -> str:
         delta = choice.state.flush()
-        choice.stats = dict(event.stats or {})
+        choice.stats = event.stats
         if choice.state.stop is not None:
             choice.finish_reason = "stop"
         elif event.reason in ("stop", "length", "error"):
@@ -266,10 +266,11 @@ class Generation:
     def telemetry(self, choices: Sequence[Choice] | None = None) -> Telemetry:
         """The ``verispec`` extension: speculative telemetry summed over ``choices`` (all by default)."""
         summed = self.choices if choices is None else choices
-        draft = sum(int(c.stats.get("draft_tokens", 0)) for c in summed)
-        accepted = sum(int(c.stats.get("accepted_tokens", 0)) for c in summed)
-        generated = sum(int(c.stats.get("completion_tokens", c.received)) for c in summed)
-        passes = sum(_target_passes(c.stats) for c in summed)
+        finished = [c.stats or RowStats(completion_tokens=c.received) for c in summed]
+        draft = sum(s.draft_tokens for s in finished)
+        accepted = sum(s.accepted_tokens for s in finished)
+        generated = sum(s.completion_tokens for s in finished)
+        passes = sum(s.target_passes for s in finished)
         return Telemetry(
             acceptance_rate=accepted / draft if draft else 0.0,
             tokens_per_target_pass=generated / passes if passes else 0.0,
@@ -281,14 +282,13 @@ class Generation:
     @staticmethod
     def choice_telemetry(choice: Choice) -> ChoiceTelemetry:
         """The choice's telemetry, with (if asked) the provenance of its tokens not sent yet."""
-        stats = choice.stats
+        stats = choice.stats or RowStats(completion_tokens=choice.received)
         return ChoiceTelemetry(
-            index=choice.index, acceptance_rate=stats.get("acceptance_rate", 0.0),
-            tokens_per_target_pass=stats.get("tokens_per_target_pass", 0.0),
-            mean_draft_length=stats.get("mean_draft_length", 0.0), draft_tokens=stats.get("draft_tokens", 0),
-            accepted_tokens=stats.get("accepted_tokens", 0),
-            generated_tokens=stats.get("completion_tokens", choice.received),
-            time_to_first_token_s=stats.get("time_to_first_token_s"), total_time_s=stats.get("total_time_s"),
+            index=choice.index, acceptance_rate=stats.acceptance_rate,
+            tokens_per_target_pass=stats.tokens_per_target_pass,
+            mean_draft_length=stats.mean_draft_length, draft_tokens=stats.draft_tokens,
+            accepted_tokens=stats.accepted_tokens, generated_tokens=stats.completion_tokens,
+            time_to_first_token_s=stats.time_to_first_token_s, total_time_s=stats.total_time_s,
             error=choice.error, tokens=_provenance(choice),
         )
 
@@ -431,7 +431,3 @@ def _param_of(message: str, chat: bool) -> str | None:
     param = _FIELDS.get(first)
     return "messages" if param == "prompt" and chat else param
 
-
-def _target_passes(stats: dict) -> float:
-    per_pass = stats.get("tokens_per_target_pass") or 0.0
-    return stats.get("completion_tokens", 0) / per_pass if per_pass else 0.0

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from .engine import RowStats
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -122,20 +126,20 @@ class Metrics:
                                  "Time from a request's arrival to its last token, per choice.",
                                  buckets=LATENCY_BUCKETS, registry=registry)
 
-    def count_engine_finish(self, status: str, stats: Mapping) -> None:
+    def count_engine_finish(self, status: str, stats: RowStats) -> None:
         """One engine request finished with ``status``; ``stats`` is its ``FinishEvent.stats``. Safe on any
         thread."""
         self.requests.labels(status).inc()
-        self.tokens_generated.inc(int(stats.get("completion_tokens", 0)))
-        draft, accepted = int(stats.get("draft_tokens", 0)), int(stats.get("accepted_tokens", 0))
-        self.drafts.inc(int(stats.get("num_drafts", 0)))
+        self.tokens_generated.inc(stats.completion_tokens)
+        draft, accepted = stats.draft_tokens, stats.accepted_tokens
+        self.drafts.inc(stats.num_drafts)
         self.draft_tokens.inc(draft)
         self.accepted_tokens.inc(accepted)
-        for position, count in enumerate(stats.get("accepted_per_position", ())):
-            self.accepted_per_position.labels(str(position)).inc(int(count))
-        for drafter, counts in stats.get("sources", {}).items():
+        for position, count in enumerate(stats.accepted_per_position):
+            self.accepted_per_position.labels(str(position)).inc(count)
+        for drafter, counts in stats.sources.items():
             for name, counter in self.by_drafter.items():
-                counter.labels(drafter).inc(int(counts.get(name, 0)))
+                counter.labels(drafter).inc(getattr(counts, name))
         with self._totals_lock:
             self._draft_total += draft
             self._accepted_total += accepted
