@@ -119,7 +119,7 @@ def batched(decoder, prompts, rows: int, tokens: int) -> dict:
                                       temperature=temperature, verification=verification)
             stats = result.stats
             out[f"T{temperature} {verification}"] = {
-                "tokens_per_pass": stats.tokens_per_row_step, "acceptance": stats.acceptance_rate,
+                "tokens_per_pass": stats.tokens_per_target_pass, "acceptance": stats.acceptance_rate,
                 "row_steps": stats.row_steps, "verify_s_per_step": stats.verify_time_s / stats.steps}
             log(f"batched T{temperature} {verification}: {out[f'T{temperature} {verification}']}")
     return out

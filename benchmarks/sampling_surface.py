@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens": len(tokens), "tok_s": len(tokens) / seconds,
                         "grammar_s": clock.seconds - grammar_before,
                         "acceptance_rate": stats.get("acceptance_rate"),
-                        "tokens_per_target_pass": stats.get("tokens_per_row_step"),
+                        "tokens_per_target_pass": stats.get("tokens_per_target_pass"),
                         "valid_json": validates(text) if spec["kind"] == "json" else None})
                     log(f"{setting} {mode} prompt {i} repeat {repeat}: {len(tokens)} tokens in {seconds:.2f} s"
                         f" ({len(tokens) / seconds:.2f} tok/s)")

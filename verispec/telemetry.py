@@ -146,9 +146,14 @@ class GenerationStats:
         return self.accepted_tokens / self.row_steps if self.row_steps else 0.0
 
     @property
-    def tokens_per_row_step(self) -> float:
-        """Tokens emitted per row per target pass (1.0 for the target alone)."""
+    def tokens_per_target_pass(self) -> float:
+        """Tokens emitted per row per target pass (1.0 for the target alone): the server's name for it too."""
         return self.generated_tokens / self.row_steps if self.row_steps else 0.0
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        """Deprecated name of :attr:`tokens_per_target_pass` (kept for one release, also in ``to_dict``)."""
+        return self.tokens_per_target_pass
 
     @property
     def tokens_per_second(self) -> float:
@@ -163,7 +168,8 @@ class GenerationStats:
             conditional_acceptance=self.conditional_acceptance,
             iid_acceptance=self.iid_acceptance,
             mean_accepted_length=self.mean_accepted_length,
-            tokens_per_row_step=self.tokens_per_row_step,
+            tokens_per_target_pass=self.tokens_per_target_pass,
+            tokens_per_row_step=self.tokens_per_target_pass,  # deprecated key, kept for one release
             tokens_per_second=self.tokens_per_second,
             mean_draft_length=self.mean_draft_length,
         )

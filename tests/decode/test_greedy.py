@@ -68,7 +68,7 @@ def test_target_alone_is_the_same_loop() -> None:
     assert out.tokens[0] == list(expected("llama", 7))
     assert out.stats.draft_tokens == 0 and out.stats.draft_calls == 0
     assert out.stats.target_calls == LONGEST + 1  # prefill + one pass per token
-    assert out.stats.tokens_per_row_step == 1.0
+    assert out.stats.tokens_per_target_pass == out.stats.tokens_per_row_step == 1.0  # the old name: an alias
 
 
 def test_max_new_tokens_zero_returns_nothing() -> None:

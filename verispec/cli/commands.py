@@ -59,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print()
         log(f"{stats.generated_tokens} tokens in {wall:.2f} s ({stats.generated_tokens / wall:.2f} tok/s); "
-             f"acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_row_step:.2f} tokens per target pass; "
+             f"acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_target_pass:.2f} tokens per target pass; "
              f"finish: {out.finish_reasons[0]}")
     return 0
 
@@ -101,7 +101,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         "speculative_tokens_per_s": round(spec.stats.tokens_per_second, 3),
         "speedup": round(speedup, 3),
         "acceptance_rate": round(spec.stats.acceptance_rate, 3),
-        "tokens_per_target_pass": round(spec.stats.tokens_per_row_step, 3),
+        "tokens_per_target_pass": round(spec.stats.tokens_per_target_pass, 3),
     }, indent=2))
     if not same:
         raise CliError("outputs differ: this is a bug, please report it with the command line above")

@@ -56,7 +56,6 @@ class CompositeDrafter(SourceDrafter):
         return CompositeDrafter(self.primary.fork(), self.fallback.fork())
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
-        self.sampling, self.vocab_size = sampling, vocab_size
         self.primary.start(prompts, sampling, vocab_size)
         self.fallback.start(prompts, sampling, vocab_size)
         self._fallback_ids = None

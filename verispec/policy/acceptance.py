@@ -97,10 +97,6 @@ class AcceptanceEstimate:
         """A new request's estimate: nothing of its own yet, the same pool."""
         return AcceptanceEstimate(pool=self.pool)
 
-    def reset(self) -> None:
-        self.counts = PositionCounts()
-        self.previous_full = None
-
     @property
     def acceptance(self) -> float:
         """This request's per-draft acceptance (censored geometric MLE, shrunk towards the pool's)."""

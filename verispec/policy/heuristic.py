@@ -16,10 +16,7 @@ class HeuristicGamma(GammaPolicy):
 
     def __init__(self, start: int = 5, max_gamma: int = 16) -> None:
         self.start, self.max_gamma = start, max_gamma
-        self.reset()
-
-    def reset(self) -> None:
-        self.gamma = self.start
+        self.gamma = start
 
     def for_row(self) -> HeuristicGamma:
         return HeuristicGamma(self.start, self.max_gamma)

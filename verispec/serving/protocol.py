@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Discriminator,
@@ -175,18 +176,21 @@ class SpeculationOptions(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
-    draft: Literal["off", "auto"] | Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = Field(
-        None, description="'off' (or 0): the target alone; 'auto': the cost model; an integer: that many drafts "
-        "per step. Default: the server's --num-draft-tokens.")
+    num_draft_tokens: Literal["off", "auto"] | Annotated[int, Field(ge=0, le=MAX_DRAFT_TOKENS)] | None = Field(
+        None, validation_alias=AliasChoices("num_draft_tokens", "draft"),
+        description="'off' (or 0): the target alone; 'auto': the speculation controller; an integer: at most that "
+        "many drafts per step. Default: the server's --num-draft-tokens (the same name as the library's and the "
+        "command line's). 'draft' is accepted as a deprecated name for it.")
     verification: Literal["block", "token"] | None = Field(
         None, description="How sampled drafts are verified; default: the server's.")
     provenance: bool = Field(
         False, description="Label every token by how it was committed (accepted draft, recovered, bonus, plain) "
         "with its step and logprob: in each streamed chunk's 'verispec.tokens', or in 'verispec.choices[i].tokens'.")
 
-    @property
-    def num_draft_tokens(self) -> int | str | None:
-        return 0 if self.draft == "off" else self.draft
+    @field_validator("num_draft_tokens")
+    @classmethod
+    def _off_is_zero(cls, value: int | str | None) -> int | str | None:
+        return 0 if value == "off" else value
 
 
 def _no_effect(value: Any) -> bool:
