@@ -38,8 +38,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                         help="trace allocations from the end of round 2 on (slows rounds several times)")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="the results as JSON")
+    parser.add_argument("--plot", type=Path, default=None, help="RSS per round as a PNG (from --out's JSON if given "
+                        "alone with --replot)")
+    parser.add_argument("--replot", action="store_true", help="only draw --plot from the JSON at --out")
     args = parser.parse_args()
+    if args.replot:
+        _plot(json.loads(args.out.read_text()), args.plot)
+        return
     libc = ctypes.CDLL("libc.so.6")
     process = psutil.Process()
     with tempfile.TemporaryDirectory() as folder:
@@ -71,10 +77,30 @@ def main() -> None:
         finally:
             live.close()
             live.engine.shutdown()
+    results = {"command": " ".join(sys.argv), "clients": args.clients, "machine": _cpu_model(), "rounds": rounds,
+               "tracemalloc_kept": kept}
     if args.out:
-        args.out.write_text(json.dumps({"command": " ".join(sys.argv), "clients": args.clients,
-                                        "machine": _cpu_model(),
-                                        "rounds": rounds, "tracemalloc_kept": kept}, indent=1) + "\n")
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    if args.plot:
+        _plot(results, args.plot)
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = [r["round"] for r in results["rounds"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(rounds, [r["rss_mb"] for r in results["rounds"]], "o-", label="RSS after the round")
+    ax.plot(rounds, [r["rss_after_trim_mb"] for r in results["rounds"]], "s--", label="after malloc_trim(0)")
+    ax.set_xlabel(f"round ({results['clients']} streamed clients each)")
+    ax.set_ylabel("MB")
+    ax.set_title(f"Server process memory over rounds ({results['machine']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _cpu_model() -> str:
