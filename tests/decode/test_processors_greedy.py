@@ -50,7 +50,7 @@ def decode_mixed(decoder: SpeculativeDecoder, rows: list[tuple[list[int], dict, 
     for key, (tokens, settings, eos) in enumerate(rows):
         request = validate_request(decoder.limits, [tokens], SamplingParams(**settings), NEW_TOKENS, eos)
         batch_rows += request.rows(policy, [key])  # no acceptance estimate: each drafts exactly 3
-    with decoder.new_batch(decoder.drafter) as batch:
+    with decoder.new_batch() as batch:
         batch.add(batch_rows)
         while batch.rows:
             batch.step()

@@ -96,7 +96,7 @@ def _run(decoder, prompt: list[int], length: int, steps: int, controller: Specul
     rows = request.rows(make_gamma_policy(length), [0])
     for row in rows:
         row.estimate, row.pinned = decoder.controller.new_estimate(), True
-    with decoder.new_batch(decoder.drafter, controller, stop_drafting=False) as batch:
+    with decoder.new_batch(controller=controller, stop_drafting=False) as batch:
         batch.add(rows)
         for _ in range(steps):
             if not batch.rows:

@@ -223,12 +223,14 @@ class SpeculativeDecoder:
             row.estimate, row.pinned, row.verification = controller.new_estimate(), pinned, verification
         return rows
 
-    def new_batch(self, drafter: Drafter | None, controller: SpeculationController | None = None, *,
-                  limits: ModelLimits | None = None, stats: GenerationStats | None = None,
-                  stop_drafting: bool | None = None) -> DecodeBatch:
-        """A batch with caches of its own, drafting with ``drafter`` (or a fork of it, when another running
-        batch holds it) under ``controller`` (the decoder's own by default). Close it (or use it as a context
-        manager) to give the drafter back."""
+    def new_batch(self, drafter: Drafter | None | object = _USE_DECODER_DRAFT,
+                  controller: SpeculationController | None = None, *, limits: ModelLimits | None = None,
+                  stats: GenerationStats | None = None, stop_drafting: bool | None = None) -> DecodeBatch:
+        """A batch with caches of its own, drafting with ``drafter`` (the decoder's own by default; a fork of
+        it when another running batch holds it) under ``controller`` (the decoder's own by default). Close it
+        (or use it as a context manager) to give the drafter back."""
+        if drafter is _USE_DECODER_DRAFT:
+            drafter = self.drafter
         # Under the lock: new caches are sized from the model's config, which an early-exit draft of another
         # batch lowers while it drafts (and a fork of one builds its cache that way).
         with self.model_lock:
@@ -310,6 +312,9 @@ class SpeculativeDecoder:
         ``draft_scope`` (any hashable, e.g. a tenant's id; None: the anonymous scope): whose earlier responses a
         suffix drafter built with scope "key" drafts from (``drafters/suffix.py``); drafts never change the
         output, only its speed. Other drafters ignore it.
+
+        Long only by its parameters and their documentation: the body validates the request, builds its rows
+        (``rows_for``) and steps one batch (``new_batch``) until it is empty, as the engine and offline jobs do.
         """
         verification = check_verification(self.verification if verification is None else verification)
         drafter, limits = self._drafter_for(draft)

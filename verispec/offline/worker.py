@@ -64,7 +64,7 @@ class GroupDecoder:
                 prepared.append(str(error))
         rows = [entry[0] for entry in prepared if not isinstance(entry, str)]
         if rows:
-            with self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats()) as batch:
+            with self.decoder.new_batch(stats=GenerationStats()) as batch:
                 batch.add(rows)
                 while batch.rows:
                     batch.step()

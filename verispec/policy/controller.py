@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from .acceptance import AcceptanceEstimate, AcceptancePool
@@ -193,31 +193,7 @@ class SpeculationController:
         if top == 0:
             lengths = [r.limit if r.pinned else 0 for r in rows]
             return lengths, CapDecision(0, "pinned" if pinned_columns else "none", size, label)
-        # Expected tokens per row at each length: the estimate, and its lower / upper bound (acceptance known
-        # from few judged drafts is uncertain too: exploring must look where it may be high).
-        # A row's estimate rests on its own judged drafts and on the pool, which speaks for the row only so far
-        # (requests differ): at most POOL_WORTH observations of it.
-        pooled = self.pool.counts.judged
-        curves = []
-        for r in rows:
-            acceptance = r.estimate.position_acceptance(r.limit)
-            own = r.estimate.counts.judged
-            spread = [Z * math.sqrt(a * (1 - a) / (self.pool.prior_weight + (own[i] if i < len(own) else 0.0)
-                                                   + min(pooled[i] if i < len(pooled) else 0.0, POOL_WORTH)))
-                      for i, a in enumerate(acceptance)]
-            curves.append(tuple(
-                expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)], r.limit)
-                for sign in (0, -1, 1)))
-
-        def tokens(cap: int) -> tuple[float, float, float]:
-            """The batch's expected tokens at ``cap`` and its lower / upper bound: rows' errors are independent,
-            so their deviations add in quadrature (summing each row's bound would overstate the batch's)."""
-            total = low = high = 0.0
-            for r, (mean, lower, upper) in zip(rows, curves):
-                g = r.limit if r.pinned else min(r.limit, cap)
-                total, low, high = total + mean[g], low + (mean[g] - lower[g]) ** 2, high + (upper[g] - mean[g]) ** 2
-            return total, total - math.sqrt(low), total + math.sqrt(high)
-
+        tokens = self._batch_tokens(rows)
         remaining = sum(r.remaining for r in rows) / size
         per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
         catch_up = per_token * backlog  # seconds to feed the drafter's backlog (0 until one catch-up was timed)
@@ -234,7 +210,46 @@ class SpeculationController:
             extra = catch_up / max(1.0, remaining * size / expected) if columns else 0.0
             fastest = max(mean - Z * error, 0.1 * mean)
             bounds.append((expected / (mean + extra), low / (mean + Z * error + extra), high / (fastest + extra)))
+        choice, reason = self._choose(bucket, bounds, top, pinned_columns, look_pays=catch_up <= latency[0][0])
+        lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
+        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0],
+                                    batch_tokens[choice])
 
+    def _batch_tokens(self, rows: Sequence[RowPlan]) -> Callable[[int], tuple[float, float, float]]:
+        """``tokens(cap)``: the batch's expected tokens at ``cap`` with a lower and an upper bound.
+
+        Per row, the expected tokens at each length from its estimate and from its bounds: acceptance known
+        from few judged drafts is uncertain too, and exploring must look where it may be high. A row's estimate
+        rests on its own judged drafts and on the pool, which speaks for the row only so far (requests differ):
+        at most POOL_WORTH observations of it."""
+        pooled = self.pool.counts.judged
+        curves = []
+        for r in rows:
+            acceptance = r.estimate.position_acceptance(r.limit)
+            own = r.estimate.counts.judged
+            spread = [Z * math.sqrt(a * (1 - a) / (self.pool.prior_weight + (own[i] if i < len(own) else 0.0)
+                                                   + min(pooled[i] if i < len(pooled) else 0.0, POOL_WORTH)))
+                      for i, a in enumerate(acceptance)]
+            curves.append(tuple(
+                expected_tokens_curve([min(max(a + sign * d, 0.0), 1.0) for a, d in zip(acceptance, spread)], r.limit)
+                for sign in (0, -1, 1)))
+
+        def tokens(cap: int) -> tuple[float, float, float]:
+            """Rows' errors are independent, so their deviations add in quadrature (summing each row's bound
+            would overstate the batch's)."""
+            total = low = high = 0.0
+            for r, (mean, lower, upper) in zip(rows, curves):
+                g = r.limit if r.pinned else min(r.limit, cap)
+                total, low, high = total + mean[g], low + (mean[g] - lower[g]) ** 2, high + (upper[g] - mean[g]) ** 2
+            return total, total - math.sqrt(low), total + math.sqrt(high)
+
+        return tokens
+
+    def _choose(self, bucket: int, bounds: list[tuple[float, float, float]], top: int, pinned_columns: int,
+                look_pays: bool) -> tuple[int, str]:
+        """The cap to run and why: the best confident one (else the target alone), or a neighbour to look at
+        when the bucket's schedule says so. ``look_pays``: the drafter's catch-up costs no more than a step of
+        the target alone, so the slowest schedule may still force a look."""
         schedule = self._schedules.setdefault(bucket, _Schedule())
         schedule.steps += 1
         alone_high = bounds[0][2]
@@ -251,7 +266,7 @@ class SpeculationController:
             if candidates:
                 look = max(candidates, key=lambda c: (bounds[c][2], -c))
                 # The slowest schedule still re-measures, unless the catch-up alone costs more than a step.
-                forced = schedule.interval >= self.max_explore_interval and catch_up <= latency[0][0]
+                forced = schedule.interval >= self.max_explore_interval and look_pays
                 explore = bounds[look][2] > bounds[choice][0] or forced
                 # Back to every other step while the neighbour may beat even the choice's optimistic bound.
                 maybe_better = explore and bounds[look][2] > bounds[choice][2]
@@ -259,9 +274,7 @@ class SpeculationController:
                 schedule.due = schedule.steps + schedule.interval
                 if explore:
                     choice, reason = look, "explore"
-        lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
-        return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0],
-                                    batch_tokens[choice])
+        return choice, reason
 
     def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
         """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where

@@ -364,6 +364,9 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
     (default: the tokenizer's EOS and chat end tokens). ``default_max_tokens``: when a request gives none
     (default: OpenAI's, 16 for completions and the rest of the context for chat, within the per-request cap).
     ``options``: keys, Host allow-list, limits (``ServerOptions``'s defaults: no key, any Host).
+
+    Longer than a screen on purpose: it is the app's route table (middleware in order, then one short route
+    per endpoint, each handing off to ``Server``), which reads best in one place.
     """
     options = options or ServerOptions()
     eos = _default_eos_ids(tokenizer) if eos_token_ids is None else list(eos_token_ids)

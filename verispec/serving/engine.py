@@ -290,7 +290,7 @@ class Engine:
         if self._batch is None:
             if not joining:  # nothing running and nothing to run
                 return
-            self._batch = self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats())
+            self._batch = self.decoder.new_batch(stats=GenerationStats())
         if cancelled:
             finished += self._batch.cancel(cancelled)
         if joining:
@@ -392,7 +392,7 @@ class Engine:
         (the processors read ``row.prompt`` and ``row.output`` apart at each step, so both are put back at once).
         A model drafter then counts the output as prompt for its penalties, which changes how often drafts are
         accepted, never the output."""
-        batch = self.decoder.new_batch(self.decoder.drafter, stats=GenerationStats())
+        batch = self.decoder.new_batch(stats=GenerationStats())
         prompts = [row.prompt for row in rows]
         try:
             for row in rows:
