@@ -3,7 +3,7 @@
 What it shows is the shape, not the speed: whether a step late in a long output costs what a step early on
 costs. Tiny random models keep the model passes cheap, so the per-step bookkeeping (penalty counts, the
 cross-tokenizer drafter's text, prompt lookup, detokenising the stream) is what the curve shows. Both
-tokenizers are byte-level BPEs trained here on verispec's own source (no download), with different
+tokenizers are byte-level BPEs trained here on a few standard-library modules (no download), with different
 vocabularies, so the draft goes through text (``CrossTokenizerDrafter``).
 
 Each run decodes one row greedily (presence, frequency and repetition penalties; the top 5 logprobs of every
@@ -29,6 +29,15 @@ from pathlib import Path
 BUCKET = 256
 
 
+def CORPUS() -> list:  # noqa: N802 - a constant, computed
+    import argparse as a
+    import dataclasses
+    import json.decoder
+    import textwrap
+
+    return [a, dataclasses, json.decoder, textwrap]
+
+
 def cpu_name() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -38,11 +47,12 @@ def cpu_name() -> str:
 
 
 def train_tokenizer(vocab_size: int):
-    """A byte-level BPE over verispec's source files (every id decodes to text, and any text encodes)."""
+    """A byte-level BPE over standard-library sources (every id decodes to text, and any text encodes); the
+    same files whatever checkout runs this, so two checkouts are timed on the same tokenizers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [p.read_text(encoding="utf-8") for p in sorted((Path(__file__).parents[1] / "verispec").rglob("*.py"))]
+    texts = [Path(module.__file__).read_text(encoding="utf-8") for module in CORPUS()]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -118,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict:
     draft = tiny_llama(len(draft_tok), seed=1, positions=2 * positions)  # its tokens may be more numerous
     drafter = CrossTokenizerDrafter(draft, draft_tok, target_tok)
     decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
-    source = (Path(__file__).parents[1] / "verispec" / "decode" / "batch.py").read_text(encoding="utf-8")
+    source = Path(CORPUS()[1].__file__).read_text(encoding="utf-8")
     prompt_ids = target_tok(source)["input_ids"][: args.prompt_tokens]
     run_once(decoder, target_tok, prompt_ids, BUCKET)  # warm-up: first passes of each shape
     runs = []
