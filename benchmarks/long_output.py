@@ -29,7 +29,7 @@ from pathlib import Path
 BUCKET = 256
 
 
-def CORPUS() -> list:  # noqa: N802 - a constant, computed
+def corpus() -> list:
     import argparse as a
     import dataclasses
     import json.decoder
@@ -52,7 +52,7 @@ def train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    texts = [Path(module.__file__).read_text(encoding="utf-8") for module in CORPUS()]
+    texts = [Path(module.__file__).read_text(encoding="utf-8") for module in corpus()]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -128,7 +128,7 @@ def measure(args: argparse.Namespace) -> dict:
     draft = tiny_llama(len(draft_tok), seed=1, positions=2 * positions)  # its tokens may be more numerous
     drafter = CrossTokenizerDrafter(draft, draft_tok, target_tok)
     decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
-    source = Path(CORPUS()[1].__file__).read_text(encoding="utf-8")
+    source = Path(corpus()[1].__file__).read_text(encoding="utf-8")
     prompt_ids = target_tok(source)["input_ids"][: args.prompt_tokens]
     run_once(decoder, target_tok, prompt_ids, BUCKET)  # warm-up: first passes of each shape
     runs = []
