@@ -118,7 +118,7 @@ def test_logprobs_are_those_of_the_logprobs_field(live) -> None:
 def test_draft_off_labels_every_token_plain_and_greedy_text_is_unchanged(live) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0, **NO_EOS}
     drafted = post(live, "/v1/completions", {**body, "verispec": {"provenance": True}}).json()
-    alone = post(live, "/v1/completions", {**body, "verispec": {"provenance": True, "draft": "off"}}).json()
+    alone = post(live, "/v1/completions", {**body, "verispec": {"provenance": True, "num_draft_tokens": "off"}}).json()
     assert alone["choices"][0]["text"] == drafted["choices"][0]["text"]
     tokens = alone["verispec"]["choices"][0]["tokens"]
     assert {t["kind"] for t in tokens} == {"plain"} and [t["step"] for t in tokens] == list(range(20))

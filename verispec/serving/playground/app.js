@@ -131,8 +131,8 @@ function requestBody(draftOff) {
   const seed = numberField("seed");
   if (seed !== null) body.seed = Math.round(seed);
   const draft = draftOff ? "off" : $("draft").value;
-  if (draft === "auto" || draft === "off") body.verispec.draft = draft;
-  if (draft === "fixed") body.verispec.draft = Math.max(1, Math.round(numberField("draft-length") || 1));
+  if (draft === "auto" || draft === "off") body.verispec.num_draft_tokens = draft;
+  if (draft === "fixed") body.verispec.num_draft_tokens = Math.max(1, Math.round(numberField("draft-length") || 1));
   if (chat) body.messages = [{ role: "user", content: prompt }];
   else body.prompt = prompt;
   return { path: chat ? "/v1/chat/completions" : "/v1/completions", body };
@@ -246,7 +246,8 @@ function clearOutput() {
   $("output").replaceChildren();
   $("positions").replaceChildren();
   selected = -1;
-  $("token-info").textContent = "Hover a token, or focus the output and use the arrow keys, to see how it was committed.";
+  $("token-info").textContent =
+    "Hover a token, or focus the output and use the arrow keys, to see how it was committed.";
   for (const id of ["stat-tokens", "stat-passes"]) $(id).textContent = "0";
   for (const id of ["stat-per-pass", "stat-speed", "stat-acceptance"]) $(id).textContent = "–";
 }
@@ -267,7 +268,8 @@ function updateStrip(run) {
   $("stat-passes").textContent = String(passes);
   $("stat-per-pass").textContent = passes ? (run.tokens.length / passes).toFixed(2) : "–";
   $("stat-speed").textContent = run.tokens.length ? speed(run).toFixed(1) : "–";
-  $("stat-acceptance").textContent = drafted ? `${(100 * accepted / drafted).toFixed(0)}% (${accepted}/${drafted})` : "no drafts";
+  $("stat-acceptance").textContent =
+    drafted ? `${(100 * accepted / drafted).toFixed(0)}% (${accepted}/${drafted})` : "no drafts";
   const longest = Math.max(0, ...[...run.steps.values()].map((s) => s.drafted));
   const list = $("positions");
   list.replaceChildren();
@@ -393,7 +395,8 @@ async function compare() {
   verdict.dataset.identical = String(identical);
   verdict.textContent = identical
     ? "The texts are identical."
-    : "The texts differ" + (greedy ? " (unexpected under greedy decoding: near-ties can flip)." : " (expected when sampling).");
+    : "The texts differ" +
+      (greedy ? " (unexpected under greedy decoding: near-ties can flip)." : " (expected when sampling).");
   verdict.className = "verdict " + (identical ? "same" : "different");
   $("cmp-base-text").textContent = base.text;
   panel.hidden = false;
