@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import torch
 from transformers import PreTrainedModel
@@ -35,6 +35,42 @@ from ..telemetry import GenerationStats, SourceCounts, count_source
 def sync(device: torch.device) -> None:
     if device.type == "cuda":  # timings in telemetry must cover the GPU work, not just its launch
         torch.cuda.synchronize(device)
+
+
+class PhaseClock:
+    """Seconds spent in the phases of a step (drafting, scoring, the drafter's catch-up).
+
+    On CUDA a phase is timed by two events recorded on the stream and read by ``settle`` once the step's one
+    host transfer has waited for the stream anyway, so timing adds no synchronisation of its own. Elsewhere it
+    is the wall clock: the work is done when the call returns."""
+
+    def __init__(self, device: torch.device, event: Callable[[], Any] | None = None) -> None:
+        self.events = device.type == "cuda" or event is not None
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._open: list[tuple[Any, Any, Callable[[float], None]]] = []  # (start, end, what to add the seconds to)
+
+    def start(self) -> Any:
+        if not self.events:
+            return time.perf_counter()
+        event = self._event()
+        event.record()
+        return event
+
+    def stop(self, start: Any, add: Callable[[float], None]) -> None:
+        """End the phase begun at ``start``; ``add(seconds)`` now, or (CUDA) at the next ``settle``."""
+        if not self.events:
+            add(time.perf_counter() - start)
+            return
+        end = self._event()
+        end.record()
+        self._open.append((start, end, add))
+
+    def settle(self) -> None:
+        """Read the phases timed since the last call (on CUDA: after a host transfer, so no wait)."""
+        for start, end, add in self._open:
+            end.synchronize()
+            add(start.elapsed_time(end) / 1000)
+        self._open.clear()
 
 
 @dataclass
@@ -107,14 +143,22 @@ class DecodeBatch:
         self._model_lock = model_lock if model_lock is not None else contextlib.nullcontext()
         self._on_close = on_close
         self._drafter_started = False
+        self.clock = PhaseClock(self.device)
         self.last_ids = torch.zeros(0, dtype=torch.long, device=self.device)  # [B]
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] committed tokens per row
 
     def close(self) -> None:
         """Give the drafter back (another batch may use it from now on); the batch must not step again."""
+        self.clock.settle()
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
+
+    def _add_draft_time(self, seconds: float) -> None:
+        self.stats.draft_time_s += seconds
+
+    def _add_target_time(self, seconds: float) -> None:
+        self.stats.target_time_s += seconds
 
     def __enter__(self) -> Self:
         return self
@@ -171,15 +215,14 @@ class DecodeBatch:
                  plan: SourceDecision | None = None) -> Proposal:
         if k == 0:
             return Proposal(torch.zeros(len(self.rows), 0, dtype=torch.long, device=self.device), None)
-        t0 = time.perf_counter()
+        started = self.clock.start()
         calls = self.drafter.calls
         if plan is None:
             proposal = self.drafter.propose(k, draft_uniforms(uniforms, k), stop_below)
         else:
             proposal = self.drafter.propose_from(plan.sources, k, draft_uniforms(uniforms, k), stop_below)
-        sync(self.device)
         self.stats.draft_calls += self.drafter.calls - calls
-        self.stats.draft_time_s += time.perf_counter() - t0
+        self.clock.stop(started, self._add_draft_time)
         proposal.draft_ids = proposal.draft_ids.to(self.device)  # drafters may propose from the CPU (n-gram)
         if proposal.draft_probs is not None:
             proposal.draft_probs = proposal.draft_probs.to(self.device)
@@ -187,13 +230,12 @@ class DecodeBatch:
 
     def _score(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Target logits ``[B, k+1, V]`` for the last committed token and the k drafts, in one pass."""
-        t0 = time.perf_counter()
+        started = self.clock.start()
         target_input = torch.cat([self.last_ids[:, None], draft_ids], dim=1)  # [B, k+1]
         positions = (self.lengths - 1)[:, None] + torch.arange(target_input.shape[1], device=self.device)
         logits = self.target.forward(target_input, torch.ones_like(target_input, dtype=torch.bool), positions)
-        sync(self.device)
         self.stats.target_calls += 1
-        self.stats.target_time_s += time.perf_counter() - t0
+        self.clock.stop(started, self._add_target_time)
         return logits[..., : self.vocab_size]
 
     def _verify(self, proposal: Proposal, draft_lengths: torch.Tensor, target_logits: torch.Tensor,
@@ -271,13 +313,12 @@ class DecodeBatch:
         row_gammas, stop_below, plan = self._draft_lengths()
         gamma = max(row_gammas)
         uniforms = draw_uniforms([row.generator for row in rows], row_gammas, gamma, self.device)
-        draft_time, target_time = self.stats.draft_time_s, self.stats.target_time_s
-        catch_up = None  # (tokens, seconds) of the drafter's backlog pass
+        catch_up_fed, catch_up_seconds = 0, []  # tokens and seconds of the drafter's backlog pass, if any
         wait_start = time.perf_counter()
         with self._model_lock:
             waited = time.perf_counter() - wait_start  # another batch's pass: not this step's latency
             if gamma > 0 and (plan is None or plan.model_runs):
-                catch_up = self._catch_up(plan)
+                catch_up_fed = self._catch_up(plan, catch_up_seconds.append)
             proposal = self._propose(gamma, uniforms, stop_below, plan)
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
@@ -291,6 +332,8 @@ class DecodeBatch:
         host = torch.cat(
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
         ).tolist()
+        self.clock.settle()  # the transfer waited for the stream: the phases' CUDA events are done
+        catch_up = (catch_up_fed, sum(catch_up_seconds)) if catch_up_fed else None
         new_tokens = [h[3 : 3 + h[0] + 1] for h in host]  # per row: accepted drafts, then recovered / bonus
         logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
         self.stats.verify_time_s += time.perf_counter() - t0
@@ -324,18 +367,22 @@ class DecodeBatch:
             count_source(row.sources, name, **values)
             count_source(self.stats.sources, name, **values)
 
-    def _catch_up(self, plan: SourceDecision | None = None) -> tuple[int, float] | None:
+    def _catch_up(self, plan: SourceDecision | None, add_seconds: Callable[[float], None]) -> int:
         """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,
-        its model's, in a step where the model runs)."""
+        its model's, in a step where the model runs). Returns the tokens it fed; its seconds go to
+        ``add_seconds`` and the draft time when the clock settles."""
         drafter = self.drafter if plan is None else self.drafter.model
-        t0 = time.perf_counter()
+        started = self.clock.start()
         calls = self.drafter.calls
         fed = drafter.catch_up()
-        sync(self.device)
-        seconds = time.perf_counter() - t0
         self.stats.draft_calls += self.drafter.calls - calls
-        self.stats.draft_time_s += seconds
-        return (fed, seconds) if fed else None
+
+        def add(seconds: float) -> None:
+            self._add_draft_time(seconds)
+            add_seconds(seconds)
+
+        self.clock.stop(started, add)
+        return fed
 
     def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,
                   new_tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:

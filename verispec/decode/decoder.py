@@ -341,7 +341,7 @@ class SpeculativeDecoder:
         sync(self.device)
         stats.total_time_s = time.perf_counter() - start
         stats.generated_tokens = sum(len(row.output) for row in rows)
-        output = GenerateOutput(tokens=[row.output for row in rows], finish_reasons=[row.reason for row in rows],
+        output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],
                                 stats=stats, seed=request.seed,
                                 logprobs=None if logprobs is None else [row.output_logprobs for row in rows])
         errors = [row for row in rows if row.reason == "error"]
