@@ -36,17 +36,18 @@ TEXT_WINDOW = 8  # draft tokens decoded before the drafted ones, to cut the draf
 
 
 class _RowText:
-    """One row's committed text and the draft tokens for it up to an anchor that no longer moves."""
+    """One row's committed text after its anchor: the draft tokens of the text before the anchor no longer
+    change, so only the text after it is kept and re-tokenised (a few dozen tokens, whatever the length)."""
 
     def __init__(self, target_tokenizer: PreTrainedTokenizerBase) -> None:
         self.pieces = IncrementalDecoder(target_tokenizer, skip_special_tokens=False)
-        self.final = ""  # text that later tokens cannot change
+        self.final = ""  # text after the anchor that later tokens cannot change
         self.decoded = 0  # committed tokens pushed into ``pieces``
-        self.anchor_chars = 0  # text[:anchor_chars] is tokenised as the first ``anchor_tokens`` draft tokens
-        self.anchor_tokens = 0
+        self.anchor_tokens = 0  # the text before the anchor is the first ``anchor_tokens`` draft tokens
 
-    def text(self, committed: list[int]) -> str:
-        """The text of ``committed`` (which extends what this row saw before), as one decode would give it."""
+    def tail(self, committed: list[int]) -> str:
+        """The text of ``committed`` (which extends what this row saw before) after the anchor, as one decode
+        of all of it would give it."""
         for token in committed[self.decoded:]:
             self.final += self.pieces.push(token)
         self.decoded = len(committed)
@@ -54,13 +55,13 @@ class _RowText:
 
     def advance(self, offsets: list[tuple[int, int]] | None) -> None:
         """Move the anchor to a token boundary ``ANCHOR_MARGIN`` tokens before the end of the tail just
-        tokenised (``offsets``: each tail token's character span, relative to the anchor), inside final text."""
+        tokenised (``offsets``: each tail token's character span in it), inside final text."""
         if offsets is None:
             return
         for j in range(len(offsets) - ANCHOR_MARGIN, 0, -1):
             start = offsets[j][0]
-            if offsets[j - 1][1] <= start and self.anchor_chars + start <= len(self.final):
-                self.anchor_chars += start
+            if offsets[j - 1][1] <= start <= len(self.final):
+                self.final = self.final[start:]
                 self.anchor_tokens += j
                 return
 
@@ -123,7 +124,7 @@ class CrossTokenizerDrafter(Drafter):
         to_feed = []
         for row, committed in enumerate(self.committed):
             text, fed = self.texts[row], self.fed[row]
-            tail = text.text(committed)[text.anchor_chars:]
+            tail = text.tail(committed)
             fast = self.draft_tokenizer.is_fast
             encoded = self.draft_tokenizer(tail, add_special_tokens=False, return_offsets_mapping=fast)
             tail_ids = list(encoded["input_ids"]) or [0]
