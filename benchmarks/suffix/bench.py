@@ -100,12 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--general", type=int, default=4, help="prompts of benchmarks/prompts.json")
     parser.add_argument("--out", default=str(HERE))
-    parser.add_argument("--replot", metavar="JSON", help="only rebuild the table and plot of a finished run")
+    parser.add_argument("--replot", metavar="JSON", nargs="+",
+                        help="only rebuild the table and plot from runs' JSON (the completed repeats of each, "
+                             "one after the other: runs of the same settings in separate processes)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        return finish(json.loads(Path(args.replot).read_text()), out)
+        return finish(merge([json.loads(Path(path).read_text()) for path in args.replot]), out)
 
     decoder, tokenizer = verispec.load(args.target, args.draft, draft_quant="int4", num_draft_tokens="auto",
                                        progress=log)
@@ -156,13 +158,29 @@ def main(argv: list[str] | None = None) -> int:
     return finish(report, out)
 
 
+def completed(report: dict) -> int:
+    """Repeats of a run in which every method decoded every prompt (a run cut by a timeout ends mid-repeat)."""
+    per_repeat = len(report["prompts"]) * len(METHODS)
+    return sum(1 for r in range(report["settings"]["repeats"])
+               if sum(x["repeat"] == r for x in report["records"]) == per_repeat)
+
+
+def merge(reports: list[dict]) -> dict:
+    """One report from runs of the same settings: their completed repeats, numbered one after the other."""
+    merged = dict(reports[0], records=[], runs=[])
+    for report in reports:
+        assert [p.get("name") for p in report["prompts"]] == [p.get("name") for p in merged["prompts"]]
+        done, offset = completed(report), len(merged["runs"]) and sum(r["repeats"] for r in merged["runs"])
+        merged["records"] += [dict(x, repeat=x["repeat"] + offset) for x in report["records"] if x["repeat"] < done]
+        merged["runs"].append({"command": report["command"], "repeats": done})
+    merged["settings"] = dict(merged["settings"], repeats=sum(r["repeats"] for r in merged["runs"]))
+    return merged
+
+
 def finish(report: dict, out: Path) -> int:
     """Medians over the repeats that finished (every prompt done), the table and the plot."""
-    records = report["records"]
-    kinds, per_repeat = ["repetitive", "general"], len(report["prompts"]) * len(METHODS)
-    done = sum(1 for r in range(report["settings"]["repeats"])
-               if sum(x["repeat"] == r for x in records) == per_repeat)
-    records = [x for x in records if x["repeat"] < done]
+    kinds, done = ["repetitive", "general"], completed(report)
+    records = [x for x in report["records"] if x["repeat"] < done]
     table = summarise(records, list(METHODS), kinds, done)
     report["repeats_done"] = done
     report["tokens_per_s"] = table
@@ -208,7 +226,8 @@ def markdown(report: dict, kinds: list[str]) -> str:
     for method in METHODS:
         speed = [report["tokens_per_s"][method][k] for k in kinds]
         ratios = [report["speedup_vs_alone"][method][k] for k in kinds]
-        rows = [r for r in report["records"] if r["method"] == method and r["kind"] == "repetitive"]
+        rows = [r for r in report["records"] if r["method"] == method and r["kind"] == "repetitive"
+                and r["repeat"] < report["repeats_done"]]
         proposed = sum(r["draft_tokens"] for r in rows)
         kept = sum(r["accepted_tokens"] for r in rows) / proposed if proposed else 0.0
         lines.append(f"| {method} | " + " | ".join(f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for s in speed)
