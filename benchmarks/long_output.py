@@ -74,10 +74,7 @@ def tiny_llama(vocab_size: int, seed: int, positions: int):
 def run_once(decoder, target_tok, prompt_ids: list[int], new_tokens: int) -> list[tuple[int, float]]:
     """``(tokens so far, seconds since the start)`` after every step of one generation."""
     from verispec.drafters import NGramDrafter
-    try:
-        from verispec.text import TextState
-    except ImportError:  # older checkouts kept the detokeniser in serving/
-        from verispec.serving.detokenize import TextState
+    from verispec.text import TextState
 
     state = TextState(target_tok, prompt_ids)
     lookup = NGramDrafter()
