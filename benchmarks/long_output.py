@@ -100,10 +100,11 @@ def run_once(decoder, target_tok, prompt_ids: list[int], new_tokens: int) -> lis
 
 
 def per_bucket(marks: list[tuple[int, float]], new_tokens: int) -> list[float]:
-    """Milliseconds per token in each ``BUCKET``-token stretch of the output (by the step that crossed it)."""
+    """Milliseconds per token in each ``BUCKET``-token stretch of the output. The first step (which follows
+    the prompt's prefill) is left out, so the first bucket is not charged for the prompt."""
     times = [0.0] * (new_tokens // BUCKET)
-    previous_count, previous_time = 0, 0.0
-    for count, seconds in marks:
+    previous_count, previous_time = marks[0]
+    for count, seconds in marks[1:]:
         # a step's time is spread over its tokens; a step spanning a bucket border splits by token
         for token in range(previous_count, count):
             bucket = min(token // BUCKET, len(times) - 1)
