@@ -143,33 +143,29 @@ def run_verispec(args) -> dict:
 
 
 def run_tool(command: list[str], timeout: float) -> tuple[str, int, float]:
-    """(stdout + stderr, peak RSS in kB, seconds) of one tool run."""
+    """(stdout + stderr, peak RSS in kB from ``os.wait4``, seconds) of one run, killed after ``timeout`` s."""
+    import tempfile
+
     t0 = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        out, _ = process.communicate()
-    _, _, usage = os.wait4(process.pid, 0) if process.returncode is None else (0, 0, None)
-    rss = usage.ru_maxrss if usage else _child_rss()
-    return out, rss, time.perf_counter() - t0
-
-
-def _child_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    with tempfile.TemporaryFile("w+") as output:
+        process = subprocess.Popen(["timeout", str(int(timeout)), *command], stdout=output,
+                                   stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        return output.read(), usage.ru_maxrss, time.perf_counter() - t0
 
 
 def llama_bench(args, gguf: str, depth: int) -> dict:
     command = [str(Path(args.bin) / "llama-bench"), "-m", gguf, "-p", "0", "-n", str(args.max_new_tokens),
-               "-d", str(depth), "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", "-fa", "1"]
+               "-d", str(depth), "-t", str(args.threads), "-r", str(args.repeats), "-o", "json", "-fa", "1",
+               "--repack", "1,0"]
     out, rss, seconds = run_tool(command, 600)
     start = out.find("[")
     rows = json.loads(out[start:]) if start >= 0 else []
-    samples = rows[0]["samples_ts"] if rows else []
-    return {"command": " ".join(command), "samples_tok_s": samples, "rss_kb": rss, "seconds": seconds,
+    by_repack = {("repack_on" if row.get("repack", True) else "repack_off"): row["samples_ts"] for row in rows}
+    return {"command": " ".join(command), "samples_tok_s": by_repack.get("repack_on", []),
+            "samples_tok_s_repack_off": by_repack.get("repack_off", []), "rss_kb": rss, "seconds": seconds,
             "raw_tail": None if rows else out[-2000:]}
 
 
@@ -251,6 +247,7 @@ def summarise(results: dict) -> dict:
     for entry in results["llama"]:
         row = rows[entry["prompt"]]
         row["llama_plain"] = entry["plain"]["samples_tok_s"]
+        row["llama_plain_repack_off"] = entry["plain"]["samples_tok_s_repack_off"]
         for key, value in entry.items():
             if isinstance(value, dict) and "tok_s" in value and value["tok_s"] is not None:
                 row.setdefault(f"llama_{key}", []).append(value["tok_s"])

@@ -118,11 +118,22 @@ def tiny_gguf(tmp_path_factory):
     return path, model
 
 
-@pytest.fixture(scope="session", params=[False, True], ids=["repack-off", "repack-on"])
+@pytest.fixture(scope="session", params=[(True, False), (True, True), (False, False)],
+                ids=["streams", "streams-repack", "shared-memory"])
 def llama(tiny_gguf, request) -> LlamaModel:
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=2048, n_threads=2, repack=request.param, n_seq_max=96))
+    """The backend with a KV stream per row (bitwise per row in any batch), with weight repacking on and off,
+    and with one memory shared by all rows (bitwise for a single row; see ``LlamaSettings``)."""
+    streams, repack = request.param
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=1024 if streams else 4096, n_threads=2, repack=repack,
+                                                   n_seq_max=80, streams=streams))
     yield model
     model.close()
+
+
+def same_logits(llama: LlamaModel, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equal with a stream per row; in a shared memory, equal up to the order flash attention visits a
+    row's keys in (a row's new token may take a cell another row freed)."""
+    return torch.equal(a, b) if llama.settings.streams else torch.allclose(a, b, rtol=0, atol=0.05)
 
 
 @pytest.fixture(scope="session")
@@ -205,7 +216,7 @@ def test_rollback_per_row_then_continue_is_bitwise_one_token_decoding(llama):
     got = torch.cat(got, dim=1)  # [2, 4, V]
     for b in range(2):
         alone = decode_alone(llama, base[b], blocks[b][: kept[b] - 1] + tails[b])
-        assert torch.equal(got[b], alone[kept[b]:]), b
+        assert same_logits(llama, got[b], alone[kept[b]:]), b
 
 
 def test_select_and_append_rows_keep_each_row_exact(llama):
@@ -228,9 +239,9 @@ def test_select_and_append_rows_keep_each_row_exact(llama):
     assert fresh.batch_size == 0 and cache.batch_size == 3
     nxt = torch.tensor([[3], [4], [joining[-1]]])
     out = cache.forward(nxt, torch.ones_like(nxt, dtype=torch.bool), torch.tensor([[9], [6], [10]]))
-    assert torch.equal(out[0, 0], decode_alone(llama, rows[0], [3])[-1])
-    assert torch.equal(out[1, 0], decode_alone(llama, rows[2], [4])[-1])
-    assert torch.equal(out[2, 0], decode_alone(llama, joining, [])[-1])
+    assert same_logits(llama, out[0, 0], decode_alone(llama, rows[0], [3])[-1])
+    assert same_logits(llama, out[1, 0], decode_alone(llama, rows[2], [4])[-1])
+    assert same_logits(llama, out[2, 0], decode_alone(llama, joining, [])[-1])
     cache.select_rows([])
     assert len(llama._free_seqs) == free_before
 
@@ -329,3 +340,69 @@ def test_load_error_for_non_gguf_with_llama_backend(tmp_path):
     tiny_hf_model().save_pretrained(folder)
     with pytest.raises(LoadError, match="GGUF"):
         load(str(folder), backend="llama.cpp")
+
+
+def test_auto_backend_picks_llama_cpp_for_a_gguf(tiny_gguf):
+    from verispec.factory import choose_backend, load
+    from verispec.models.llamacpp import LlamaSettings as Settings
+
+    path = str(tiny_gguf[0])
+    assert choose_backend(path) == "llama.cpp" and choose_backend(path, "torch") == "torch"
+    decoder, tokenizer = load(path, "ngram", calibrate=False, llama_settings=Settings(n_ctx=256, n_seq_max=4))
+    try:
+        assert isinstance(decoder.target_model, LlamaModel) and len(tokenizer) == VOCAB
+        ids = tokenizer("the cat sat on the mat, the cat sat on the")["input_ids"]
+        assert decoder.generate([ids], max_new_tokens=12).tokens[0] == greedy_reference(decoder.target_model, ids, 12)
+    finally:
+        decoder.target_model.close()
+
+
+def test_missing_binding_is_a_one_line_load_error(tiny_gguf, monkeypatch):
+    import verispec.models.llamacpp as backend
+    from verispec.factory import choose_backend, load
+
+    monkeypatch.setattr(backend, "llama_cpp_unavailable", lambda: backend.LLAMA_CPP_MISSING)
+    assert choose_backend(str(tiny_gguf[0])) == "torch"  # auto falls back
+    with pytest.raises(LoadError, match="llama-cpp-python is not installed") as error:
+        load(str(tiny_gguf[0]), backend="llama.cpp")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["ngram", "suffix"])
+def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
+    """The zoo's Qwen2.5-Coder-1.5B GGUF on llama.cpp with a free draft: greedy output equals llama.cpp's plain
+    greedy loop on the same file and settings, for a prompt that copies its input."""
+    from verispec import eos_token_ids
+    from verispec.factory import load
+
+    decoder, tokenizer = load("qwen2.5-coder-1.5b", draft, backend="llama.cpp", calibrate=False)
+    model = decoder.target_model
+    try:
+        text = ("Rename `total` to `acc` and output the code:\n```python\ndef add_all(values):\n    total = 0\n"
+                "    for v in values:\n        total += v\n    return total\n```\n")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=False)
+        ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+        eos = eos_token_ids(tokenizer, model)
+        out = decoder.generate([ids], max_new_tokens=48, eos_token_id=eos, num_draft_tokens=4)
+        assert out.tokens[0] == greedy_reference(model, ids, 48, eos)
+        assert out.stats.accepted_tokens > 0
+    finally:
+        model.close()
+
+
+def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
+    """With a cap of 3 tokens per call (as repacking gives real Q4_K files), a step of 3 rows x 5 tokens is cut
+    into 5 calls, rows split across calls: output still llama.cpp's plain greedy loop's."""
+    import dataclasses
+
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=8, streams=True))
+    try:
+        model.regime = dataclasses.replace(model.regime, cap=3)
+        rows = prompts([6, 13, 3], seed=13)
+        out = SpeculativeDecoder(model, draft, num_draft_tokens=4).generate(rows, max_new_tokens=21)
+        assert out.tokens == [greedy_reference(model, p, 21) for p in rows]
+        assert 0 < out.stats.accepted_tokens < out.stats.draft_tokens
+    finally:
+        model.close()

@@ -63,7 +63,12 @@ class LlamaSettings:
     """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking (faster one-token passes on most
     quantisations, but only passes of <= 3 rows are batch-invariant); ``flash_attn``: flash attention (off, the
     attention is batch-variant from 2 rows); ``n_ctx``: KV cells shared by all rows (a row may use them all);
-    ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size."""
+    ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size; ``streams``: a
+    KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the memory) instead of one memory
+    shared by all rows. Flash attention sums a row's keys in the order of their cells: in a shared memory a row's
+    new token can land in a cell another row's rollback freed, before its older keys, which changes the last bits
+    of its logits (a single row, or ``streams``, keeps every row's cells in position order: bitwise llama.cpp's
+    plain decoding)."""
 
     n_ctx: int = 4096
     n_threads: int | None = None  # None: the CPUs this process may run on
@@ -72,6 +77,7 @@ class LlamaSettings:
     n_seq_max: int = 64
     n_batch: int = 512
     exact: bool = True
+    streams: bool = False
 
     def threads(self) -> int:
         return self.n_threads or len(os.sched_getaffinity(0))
@@ -91,14 +97,14 @@ class Regime:
 class _Context:
     """One ``llama_context`` and a reusable ``llama_batch``; not thread-safe (callers hold the model lock)."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int) -> None:
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, unified: bool = True) -> None:
         lib, s = _lib(), model.settings
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx, n_seq_max
         params.n_batch = params.n_ubatch = s.n_batch
         params.n_threads = params.n_threads_batch = s.threads()
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        params.kv_unified = True
+        params.kv_unified = unified
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(model.model, params)
         if not self.ctx:
@@ -179,7 +185,8 @@ class LlamaModel:
         self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
         self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
-        self.context = _Context(self, self.settings.n_ctx, self.settings.n_seq_max)
+        s = self.settings
+        self.context = _Context(self, s.n_ctx * (s.n_seq_max if s.streams else 1), s.n_seq_max, not s.streams)
         self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
         self.regime = probe_regime(self)
 
