@@ -26,7 +26,7 @@ from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
-from ..models.cache import CachedLM, left_pad, padded_positions
+from ..models.cache import new_cache
 from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
 from ..policy.sources import LOOKUP, MODEL, SourceController, SourceDecision, SourceRow
 from ..telemetry import GenerationStats, SourceCounts, count_source
@@ -132,7 +132,7 @@ class DecodeBatch:
                  controller: SpeculationController | None = None, stats: GenerationStats | None = None,
                  stop_drafting: bool = False, model_lock: AbstractContextManager | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
-        self.target = CachedLM(target_model, check=False)
+        self.target = new_cache(target_model)  # a CachedLM, or the llama.cpp backend's cache
         self.target.reset(0)
         self.drafter, self.stop_drafting = drafter, stop_drafting
         self.controller = controller if drafter is not None else None  # the cap on every step's draft length
@@ -178,12 +178,10 @@ class DecodeBatch:
             return
         t0 = time.perf_counter()
         prompts = [row.prompt for row in rows]
-        ids, mask = left_pad([p[:-1] for p in prompts])  # [N, T-1]
         with self._model_lock:  # a new cache is sized from the config, which an early-exit draft lowers meanwhile
-            fresh = CachedLM(self.target.model, check=False)
+            fresh = new_cache(self.target.model)
             fresh.reset(len(rows))
-            if ids.shape[1] > 0:
-                fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+            if fresh.prefill(prompts):
                 self.stats.target_calls += 1
             if self.drafter is not None:
                 self._add_to_drafter(prompts, [row.sampling for row in rows])
