@@ -406,3 +406,42 @@ def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
         assert 0 < out.stats.accepted_tokens < out.stats.draft_tokens
     finally:
         model.close()
+
+
+def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
+    """The server's engine on the llama.cpp backend: requests join a running batch (their prompts evaluated in
+    caches of their own, appended), leave when done (sequences freed); each output is the plain loop's."""
+    import threading
+
+    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+
+    class Collector:
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+            self.finish = None
+            self.started, self.done = threading.Event(), threading.Event()
+
+        def __call__(self, event) -> None:
+            if isinstance(event, TokensEvent):
+                self.tokens.extend(event.tokens)
+                self.started.set()
+            else:
+                self.finish = event
+                self.done.set()
+
+    free_before = len(llama._free_seqs)
+    engine = Engine(SpeculativeDecoder(llama, draft, num_draft_tokens=3), max_batch_size=3)
+    engine.start()
+    try:
+        requests = [EngineRequest(p, max_new_tokens=20 + 4 * i) for i, p in enumerate(prompts([5, 12, 8, 3, 16], 14))]
+        collectors = [Collector() for _ in requests]
+        engine.submit(requests[0], collectors[0])
+        assert collectors[0].started.wait(60)  # running: the others join mid-run
+        for request, collector in zip(requests[1:], collectors[1:]):
+            engine.submit(request, collector)
+        for request, collector in zip(requests, collectors):
+            assert collector.done.wait(120) and collector.finish.reason == "length"
+            assert collector.tokens == greedy_reference(llama, request.prompt_ids, request.max_new_tokens)
+    finally:
+        engine.shutdown()
+    assert len(llama._free_seqs) == free_before  # every finished row gave its sequence back
