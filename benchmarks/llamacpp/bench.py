@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 # Standard-library functions the model is asked to copy with a small change: material none of us wrote.
 REPETITIVE_SOURCES = [
     ("textwrap", "dedent", "Rename the variable `margin` to `common_prefix` everywhere"),
-    ("bisect", "insort_right", "Rename the parameter `hi` to `upper`"),
     ("heapq", "nsmallest", "Rename the parameter `iterable` to `values`"),
     ("colorsys", "rgb_to_hls", "Rename the function to `rgb_to_hue_lightness_saturation`"),
+    ("shlex", "quote", "Rename the parameter `s` to `text`"),
 ]
 
 
@@ -73,7 +73,7 @@ def load_prompts(args) -> list[dict]:
 
 
 def prompt_text(tokenizer, prompt: dict) -> str:
-    if prompt.get("chat") or prompt["kind"] in ("chat", "repetitive"):
+    if (prompt.get("chat") or prompt["kind"] in ("chat", "repetitive")) and tokenizer.chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}],
                                              add_generation_prompt=True, tokenize=False)
     return prompt["text"]
@@ -106,6 +106,10 @@ def run_verispec(args) -> dict:
             from verispec.drafters.suffix import SuffixDrafter
 
             decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(), vocab_size=len(tokenizer))
+    from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
+
+    for decoder in decoders.values():  # as load() does: the first prompt's steps are already priced
+        calibrate(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
     records = []
     prompts = load_prompts(args)
     warm = tokenizer(prompt_text(tokenizer, prompts[0]))["input_ids"]

@@ -202,6 +202,8 @@ class LlamaModel:
 
     @property
     def max_positions_reason(self) -> str:
+        if self.n_ctx_train and self.n_ctx_train < self.settings.n_ctx:
+            return f"the GGUF's context length is {self.n_ctx_train} tokens"
         return f"the llama.cpp context holds {self.settings.n_ctx} tokens (load with a larger n_ctx)"
 
     @property
