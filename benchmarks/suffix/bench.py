@@ -10,7 +10,8 @@ Workloads (greedy, one request at a time, chat template of the target):
               multi  - a second turn asking to show the assistant's earlier answer again, changed slightly.
   general     the first ``--general`` prompts of ``benchmarks/prompts.json``.
 Every method decodes every prompt in each repeat, interleaved per prompt (so machine noise hits all methods
-alike). Each drafter's speculation controller is warmed once before timing (a short request), and the suffix
+alike), in an order that rotates by prompt and repeat, after an untimed prefill of that prompt (the first pass
+of a new shape builds its kernels and would be charged to whichever method ran first). Each drafter's speculation controller is warmed once before timing (a short request), and the suffix
 drafter's trees are emptied before each repeat, so its earlier responses are those of the same repeat only
 (the prompts run in the same order every repeat).
 Greedy outputs are checked identical to the target alone's. Writes bench.json (the prompts built, per-prompt
@@ -135,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     records = report["records"]
     for repeat in range(args.repeats):
         suffix.trees = ResponseTrees(suffix.trees.cache_size, suffix.settings.max_depth)  # nothing from before
-        order = list(METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)])  # rotate per repeat
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
+            # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;
+            # and the methods' order rotates by prompt and repeat, so none always runs first.
+            decoder.generate([ids], max_new_tokens=1, eos_token_id=eos, draft=None)
+            turn = (repeat + index) % len(METHODS)
+            order = list(METHODS[turn:] + METHODS[:turn])
             outputs = {}
             for method in order:
                 t0 = time.perf_counter()
