@@ -139,3 +139,13 @@ def test_steps_without_drafts_teach_both_plans_and_the_snapshot_says_which_ran()
     assert sum(chosen["steps_by_reason"].values()) == 1
     other = snapshot["lookup"] if decision.plan == MODEL else snapshot
     assert sum(other["steps_by_reason"].values()) == 0  # a plan weighed but not run is not counted
+
+
+def test_metrics_count_the_steps_of_each_plan() -> None:
+    from verispec.serving.metrics import _speculation_metrics
+
+    result = simulate(CPU, [RowKind(8, 0.9, 0.7)], steps=20)
+    families = {f.name: f for f in _speculation_metrics({"speculation": result["controller"].snapshot()})}
+    samples = {s.labels["plan"]: s.value for s in families["verispec_draft_plan_steps"].samples}
+    assert samples == {plan: float(n) for plan, n in result["controller"].snapshot()["plans"].items()}
+    assert sum(samples.values()) == 20

@@ -74,6 +74,12 @@ def _speculation_metrics(metrics: Mapping) -> Iterator[Metric]:
             if last.get(key) is not None:
                 goodput.add_metric([bucket, mode], last[key])
     yield from (cap, reason, goodput)
+    if "plans" in speculation:  # a two-source drafter (suffix or prompt lookup before a model): policy/sources.py
+        plans = CounterMetricFamily("verispec_draft_plan_steps", "Steps run by each plan of a two-source drafter "
+                                    "(lookup: the model idle; model: the model drafts).", labels=["plan"])
+        for name, count in sorted(speculation["plans"].items()):
+            plans.add_metric([name], count)
+        yield plans
 
 
 class Metrics:
