@@ -5,10 +5,11 @@ pair takes about two minutes and 13 GB, and every turn is generated twice, with 
 What a trained model adds to the tiny models' tests: it chooses the tool and fills in arguments that mean something
 (``tool_choice`` "required": the grammar writes the call's frame, and its masks meet a draft that agrees with the
 target most of the time), reads the tool's answer from the history its template renders, and answers in text
-("auto"). Greedy outputs must be identical with the draft off and with a fixed draft length (so that speculation
-runs whatever the controller would decide on a busy machine). Left out on purpose: a first turn in "auto", where
-Qwen2.5-Coder-1.5B wrote its call as a Markdown JSON block rather than in ``<tool_call>`` tags (the parser then
-rightly leaves it in ``content``)."""
+("auto"). Greedy outputs must be identical with the draft off and on. The server drafts a fixed length (4): such
+rows draft on every step whatever the speculation controller would choose (a request's own ``draft`` is only a
+maximum the controller may lower to 0 where drafting does not pay). In "auto", Qwen2.5-Coder-1.5B writes its call as
+a Markdown JSON block rather than in ``<tool_call>`` tags (the parser rightly leaves that in ``content``), so the
+turns that must call a tool use "required"."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 NAME = "qwen2.5-coder-1.5b"
 DRAFT_OFF = {"verispec": {"draft": "off"}}
-DRAFT_ON = {"verispec": {"draft": 4}}
+DRAFT_ON: dict = {}  # the server's fixed draft length
 
 
 class Weather(BaseModel):
@@ -56,7 +57,7 @@ def real():
     from verispec import load
     from verispec.serving.lifecycle import build_app
 
-    decoder, tokenizer = load(NAME, "qwen2.5-coder-0.5b", calibrate=False)
+    decoder, tokenizer = load(NAME, "qwen2.5-coder-0.5b", num_draft_tokens=4, calibrate=False)
     app, engine = build_app(decoder, tokenizer, model_name=NAME, max_batch_size=4)
     engine.start()
     server = LiveServer(app)
@@ -120,8 +121,8 @@ def _agent(client, speculation: dict, stream: bool = False) -> tuple[list, list[
 
 
 def test_an_agent_loop_on_the_real_pair_is_exact_under_speculation(real) -> None:
-    """The model calls get_weather for Paris, reads the tool's answer and replies in text; the same transcript,
-    streamed or not, with the draft on and off."""
+    """The model calls get_weather for Paris, then, with the tool's answer in its history, answers in text; the
+    same transcript, streamed or not, with the draft on and off."""
     plain, plain_drafts = _agent(real.client, DRAFT_OFF)
     speculative, drafts = _agent(real.client, DRAFT_ON)
     print("transcript:", json.dumps(plain), "draft tokens per turn:", drafts)
