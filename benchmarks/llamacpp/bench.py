@@ -101,11 +101,13 @@ def run_verispec(args) -> dict:
         if draft == "ngram":
             from verispec.drafters import NGramDrafter
 
-            decoders[draft] = SpeculativeDecoder(model, drafter=NGramDrafter(), vocab_size=len(tokenizer))
+            decoders[draft] = SpeculativeDecoder(model, drafter=NGramDrafter(), vocab_size=len(tokenizer),
+                                                 num_draft_tokens=args.num_draft_tokens)
         elif split_suffix_draft(draft)[0]:
             from verispec.drafters.suffix import SuffixDrafter
 
-            decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(), vocab_size=len(tokenizer))
+            decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(), vocab_size=len(tokenizer),
+                                                 num_draft_tokens=args.num_draft_tokens)
     from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
 
     for decoder in decoders.values():  # as load() does: the first prompt's steps are already priced
@@ -122,7 +124,8 @@ def run_verispec(args) -> dict:
             record = {"prompt": index, "kind": prompt["kind"], "repeat": repeat, "prompt_tokens": len(ids)}
             t0 = time.perf_counter()
             alone = base.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
-            record["vs_alone"] = {"tokens": len(alone.tokens[0]), "seconds": time.perf_counter() - t0}
+            record["vs_alone"] = {"tokens": len(alone.tokens[0]), "seconds": time.perf_counter() - t0,
+                                  "prefill_seconds": alone.stats.prefill_time_s}
             if repeat == 0:
                 reference = greedy_reference(model, ids, args.max_new_tokens, eos)
                 record["alone_equals_llama_plain_loop"] = reference == alone.tokens[0]
@@ -133,17 +136,22 @@ def run_verispec(args) -> dict:
                 stats = out.stats
                 record[f"vs_{name}"] = {"tokens": len(out.tokens[0]), "seconds": seconds,
                                         "identical": out.tokens[0] == alone.tokens[0],
+                                        "prefill_seconds": stats.prefill_time_s,
                                         "draft_tokens": stats.draft_tokens, "accepted": stats.accepted_tokens,
                                         "target_calls": stats.target_calls}
             log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
-                + ", ".join(f"{k} {v['tokens'] / v['seconds']:.1f} tok/s" for k, v in record.items()
-                            if isinstance(v, dict)))
+                + ", ".join(f"{k} {decode_rate(v):.1f} tok/s" for k, v in record.items() if isinstance(v, dict)))
             records.append(record)
     return {"load_seconds": load_s, "regime": model.regime.__dict__, "records": records,
             "prompts": [prompt_text(tokenizer, p) for p in prompts]}
 
 
 # ---------------------------------------------------------------------------------------- llama.cpp (tools)
+
+
+def decode_rate(entry: dict) -> float:
+    """Tokens per second of decoding, the prompt's evaluation excluded (as llama.cpp's tools report)."""
+    return entry["tokens"] / max(entry["seconds"] - entry.get("prefill_seconds", 0.0), 1e-9)
 
 
 def run_tool(command: list[str], timeout: float) -> tuple[str, int, float]:
@@ -176,7 +184,7 @@ def llama_bench(args, gguf: str, depth: int) -> dict:
 def llama_speculative(args, gguf: str, draft_gguf: str | None, spec_type: str, text: str) -> dict:
     command = [str(Path(args.bin) / "llama-speculative-simple"), "-m", gguf, "-p", text, "-n",
                str(args.max_new_tokens), "--temp", "0", "-t", str(args.threads), "-c", str(args.n_ctx),
-               "--spec-type", spec_type, "-fa", "on", "--no-warmup"]
+               "--spec-type", spec_type, "-fa", "on"]
     if draft_gguf is not None and spec_type == "draft-simple":
         command += ["-md", draft_gguf]
     out, rss, seconds = run_tool(command, 600)
@@ -201,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--repack", action="store_true")
+    parser.add_argument("--num-draft-tokens", default="auto", type=lambda v: v if v in ("auto", "heuristic") else int(v),
+                        help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")
     parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
@@ -234,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 entry[spec_type] = llama_speculative(args, gguf, draft_gguf, spec_type, text)
                 log(f"llama-speculative-simple {spec_type} prompt {index}: {entry[spec_type]['tok_s']} tok/s")
             results["llama"].append(entry)
+            args.out.write_text(json.dumps(results, indent=1))  # what ran so far, if the rest is cut off
     results["summary"] = summarise(results)
     args.out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results["summary"], indent=1))
@@ -247,7 +258,7 @@ def summarise(results: dict) -> dict:
         row = rows.setdefault(record["prompt"], {"kind": record["kind"], "prompt_tokens": record["prompt_tokens"]})
         for key, value in record.items():
             if isinstance(value, dict) and "seconds" in value:
-                row.setdefault(key, []).append(value["tokens"] / value["seconds"])
+                row.setdefault(key, []).append(decode_rate(value))
     for entry in results["llama"]:
         row = rows[entry["prompt"]]
         row["llama_plain"] = entry["plain"]["samples_tok_s"]
