@@ -87,7 +87,7 @@ def run_verispec(args) -> dict:
     from verispec.factory import load
     from verispec.models.llamacpp import LlamaSettings, greedy_reference
 
-    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack)
+    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, exact=not args.inexact)
     decoders = {}
     t0 = time.perf_counter()
     base, tokenizer = load(args.target, None, backend="llama.cpp", llama_settings=settings, calibrate=False)
@@ -209,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--repack", action="store_true")
+    parser.add_argument("--inexact", action="store_true", help="LlamaSettings(exact=False): passes not cut")
     parser.add_argument("--num-draft-tokens", default="auto", type=lambda v: v if v in ("auto", "heuristic") else int(v),
                         help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")
     parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)
