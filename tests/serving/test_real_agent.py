@@ -57,7 +57,9 @@ def real():
     from verispec import load
     from verispec.serving.lifecycle import build_app
 
+    # backend "auto", as `verispec serve` loads it: llama.cpp runs the GGUF target where llama-cpp-python imports
     decoder, tokenizer = load(NAME, "qwen2.5-coder-0.5b", num_draft_tokens=4, calibrate=False)
+    print("target model:", type(decoder.target_model).__name__)
     app, engine = build_app(decoder, tokenizer, model_name=NAME, max_batch_size=4)
     engine.start()
     server = LiveServer(app)
@@ -121,8 +123,9 @@ def _agent(client, speculation: dict, stream: bool = False) -> tuple[list, list[
 
 
 def test_an_agent_loop_on_the_real_pair_is_exact_under_speculation(real) -> None:
-    """The model calls get_weather for Paris, then, with the tool's answer in its history, answers in text; the
-    same transcript, streamed or not, with the draft on and off."""
+    """The model calls get_weather for Paris, then, with the tool's answer in its history, writes text in "auto"
+    (this model repeats the call as a Markdown JSON block, which stays content); the same transcript, streamed or
+    not, with the draft on and off."""
     plain, plain_drafts = _agent(real.client, DRAFT_OFF)
     speculative, drafts = _agent(real.client, DRAFT_ON)
     print("transcript:", json.dumps(plain), "draft tokens per turn:", drafts)
