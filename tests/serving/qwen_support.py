@@ -127,3 +127,13 @@ def serve_qwen_style(model_dirs: tuple[str, str], **decoder_options):
     server.engine, server.tokenizer, server.decoder, server.app = engine, tokenizer, decoder, app
     server.client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
     return server
+
+
+def live_qwen_style(tmp_path_factory, name: str, **decoder_options):
+    """A module fixture's body: the pair above saved under ``name`` and served; shut down after the module."""
+    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp(name)), **decoder_options)
+    try:
+        yield server
+    finally:
+        server.close()
+        server.engine.shutdown()

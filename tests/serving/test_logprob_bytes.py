@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import pytest
-from qwen_support import save_qwen_style_pair, serve_qwen_style
+from qwen_support import live_qwen_style
 from serving_support import MODEL, post
 
 from verispec.text import TokenBytes
@@ -16,10 +16,7 @@ TOP = 5
 
 @pytest.fixture(scope="module")
 def qwen_live(tmp_path_factory):
-    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp("qwen-style")), num_draft_tokens=3)
-    yield server
-    server.close()
-    server.engine.shutdown()
+    yield from live_qwen_style(tmp_path_factory, "qwen-style", num_draft_tokens=3)
 
 
 def _written(raw: bytes) -> str:

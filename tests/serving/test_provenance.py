@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from qwen_support import save_qwen_style_pair, serve_qwen_style
+from qwen_support import live_qwen_style
 from serving_support import EOS, MODEL, expected_tokens, post
 
 from verispec.serving.provenance import Block
@@ -158,10 +158,7 @@ def test_block_labels(draft_length, accepted, kinds) -> None:
 @pytest.fixture(scope="module")
 def qwen_live(tmp_path_factory):
     """Byte-level BPE (tokens can hold part of a UTF-8 character), with a fixed draft length."""
-    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp("qwen-provenance")), num_draft_tokens=3)
-    yield server
-    server.close()
-    server.engine.shutdown()
+    yield from live_qwen_style(tmp_path_factory, "qwen-provenance", num_draft_tokens=3)
 
 
 def test_byte_level_tokens_match_the_logprobs_field_and_slice_the_text(qwen_live) -> None:

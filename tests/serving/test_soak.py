@@ -19,7 +19,7 @@ from collections import Counter
 import httpx
 import psutil
 import pytest
-from qwen_support import save_qwen_style_pair, serve_qwen_style
+from qwen_support import live_qwen_style
 from serving_support import idle, parse_metrics, wait_until
 
 ROUNDS, WARM_UP, CLIENTS = 6, 2, 32
@@ -31,10 +31,7 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp("qwen-soak")), num_draft_tokens=3)
-    yield server
-    server.close()
-    server.engine.shutdown()
+    yield from live_qwen_style(tmp_path_factory, "qwen-soak", num_draft_tokens=3)
 
 
 def _request(i: int) -> tuple[str, dict]:

@@ -12,7 +12,7 @@ from typing import Literal
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from qwen_support import save_qwen_style_pair, serve_qwen_style
+from qwen_support import live_qwen_style
 from serving_support import MODEL, extra
 
 from verispec.serving.tools import HERMES, ToolCallParser
@@ -45,10 +45,7 @@ DRAFT_OFF = {"verispec": {"draft": "off"}}
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     """A fixed draft length (3): blocks of drafts on every step, so the grammar's masks meet drafts."""
-    server = serve_qwen_style(save_qwen_style_pair(tmp_path_factory.mktemp("qwen-tools")), num_draft_tokens=3)
-    yield server
-    server.close()
-    server.engine.shutdown()
+    yield from live_qwen_style(tmp_path_factory, "qwen-tools", num_draft_tokens=3)
 
 
 def _calls(message) -> list[tuple[str, str]]:
