@@ -6,11 +6,10 @@ import io
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
+from tiny_models import save_word_model
 from verispec.cli import build_parser, main
 
 WORDS = ["<unk>", "<s>", "</s>"] + [
@@ -18,29 +17,13 @@ WORDS = ["<unk>", "<s>", "</s>"] + [
 ]
 
 
-def _save_model(folder: Path, words: list[str], seed: int) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(folder)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cli-models")
     return {
-        "target": str(_save_model(root / "target", WORDS, 0)),
-        "draft": str(_save_model(root / "draft", WORDS, 1)),
-        "other": str(_save_model(root / "other", WORDS[:-2] + ["foo", "bar"], 2)),
+        "target": save_word_model(root / "target", WORDS, 0),
+        "draft": save_word_model(root / "draft", WORDS, 1),
+        "other": save_word_model(root / "other", WORDS[:-2] + ["foo", "bar"], 2),
     }
 
 

@@ -61,6 +61,24 @@ def pair(kind: str) -> tuple[PreTrainedModel, PreTrainedModel, PreTrainedModel]:
     return target, perturbed(target), build(kind, seed=123)
 
 
+def save_word_model(folder, words: list[str], seed: int) -> str:
+    """A tiny Llama saved with a word-level tokenizer over ``words`` (``<unk>``, ``<s>``, ``</s>`` first): a model
+    folder the factory, the command line and the server load by path. Returns the folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(folder)
+    torch.manual_seed(seed)  # model construction only
+    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return str(folder)
+
+
 def prompt(length: int, seed: int, vocab_size: int = VOCAB) -> list[int]:
     return torch.randint(1, vocab_size, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 

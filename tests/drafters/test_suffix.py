@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from stats.chi_square import chi2_pvalue
-from tiny_models import build, pair, prompt, reference_greedy
+from tiny_models import build, pair, prompt, reference_greedy, save_word_model
 
 from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams, probs_from_logits
@@ -525,27 +525,14 @@ def test_sampled_tokens_follow_the_target_law(settings) -> None:
 # --- Wiring: the factory, the command line and the server's key identity -------------------------------------------
 
 
-def _save_model(folder, seed: int) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print".split()
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(folder)
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return str(folder)
+WORD_MODEL_WORDS = ["<unk>", "<s>", "</s>"] + "def return x y ( ) : + - 1 2 if else for in print".split()
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("suffix-models")
-    return {"target": _save_model(root / "target", 0), "draft": _save_model(root / "draft", 1)}
+    return {"target": save_word_model(root / "target", WORD_MODEL_WORDS, 0),
+            "draft": save_word_model(root / "draft", WORD_MODEL_WORDS, 1)}
 
 
 def test_load_builds_the_suffix_drafter_alone_and_before_a_model(saved) -> None:
