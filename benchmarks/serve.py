@@ -185,7 +185,7 @@ def markdown(results: dict) -> str:
         "# Serving benchmark (`benchmarks/serve.py`)", "",
         f"Target `{results['target']}`, draft `{results['draft']}`, greedy, {results['max_tokens']} tokens per "
         f"request, streamed; {results['requests_per_client']} requests per client; {results['repeats']} repeats per "
-        f"mode and level (A B B A); machine: {results['machine']}.",
+        f"mode and level (A B B A); target backend: {results.get('backend', 'torch')}; machine: {results['machine']}.",
         f"Command: `{results['command']}`", "",
         "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
         "| acceptance | tokens per pass | tok/s by repeat | controller steps |",
@@ -259,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"],
+                        help="the target's backend, as verispec serve's --backend")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--replot", action="store_true",
                         help="rewrite SERVE.md and serve.png from the serve.json in --out, without measuring")
@@ -273,13 +275,14 @@ def main(argv: list[str] | None = None) -> int:
 
     prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text())][: args.limit]  # every kind, as raw text
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
-                                    dtype="float32", device=args.device, fast=True)
+                                    dtype="float32", device=args.device, fast=True, backend=args.backend)
     speculative, tokenizer = build_decoder(model_args, log)
     alone = SpeculativeDecoder(speculative.target_model, None, vocab_size=speculative.vocab_size)  # shared weights
     eos = eos_token_ids(tokenizer, speculative.target_model)
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests_per_client, "repeats": args.repeats, "command": " ".join(sys.argv),
+               "backend": "torch" if isinstance(speculative.target_model, torch.nn.Module) else "llama.cpp",
                "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
                "levels": []}
     identical = True
