@@ -52,14 +52,15 @@ def test_qwen_pair_greedy_and_packed_target_equal_transformers() -> None:
 
 
 def test_qwen_pair_through_the_factory_equals_transformers() -> None:
-    """The README's API path: ``verispec.load`` (pre-packed target, int4 draft) and its EOS ids."""
+    """The README's API path on the torch backend (pre-packed target, int4 draft: a dequantised GGUF, as
+    transformers runs it; on llama.cpp's kernels greedy output equals llama.cpp's own, `test_llamacpp.py`)."""
     target, tokenizer = load_pretrained("qwen2.5-coder-1.5b")
     eos = verispec.eos_token_ids(tokenizer, target)
     assert tokenizer.convert_ids_to_tokens(eos) == ["<|endoftext|>", "<|im_end|>"]  # what generation_config.json lists
     ids = tokenizer(CODE_PROMPT)["input_ids"]
     reference = hf_greedy(target, ids, 48, eos)
     del target  # one fp32 copy of the target at a time
-    decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
+    decoder, tokenizer = verispec.load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="torch")  # as transformers runs it
     out = decoder.generate([ids], max_new_tokens=48, eos_token_id=eos)
     assert out.tokens[0] == reference
     assert out.stats.acceptance_rate > 0.6
