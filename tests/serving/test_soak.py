@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import warnings
 from collections import Counter
 
 import httpx
@@ -85,7 +86,9 @@ def _census() -> Counter[str]:
 
     kinds = (Generation, Choice, TextState, TextOffsets, ToolCallParser, ProvenanceLog, _Pending, Row, TokenLogprob)
     gc.collect()
-    return Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module attributes warns; nothing of ours
+        warnings.simplefilter("ignore", FutureWarning)
+        return Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, kinds))
 
 
 def _label_sets(text: str) -> set[str]:

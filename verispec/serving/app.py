@@ -425,8 +425,10 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
             return server.unknown_model(model_id).response()
         return _json(server.model_card())
 
-    @app.api_route("/health", methods=["GET", "HEAD"], response_model=Health, responses={503: {"model": Health, "description": "Draining for "
-                                                                                                "shutdown."}})
+    # HEAD answers like GET (load balancers probe with it); documented once, under GET.
+    @app.head("/health", include_in_schema=False)
+    @app.get("/health", response_model=Health,
+             responses={503: {"model": Health, "description": "Draining for shutdown."}})
     async def health() -> Response:
         draining = server.admission.draining
         body = Health(status="draining" if draining else "ok", requests_in_flight=server.in_flight)
