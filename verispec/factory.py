@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .decode import SpeculativeDecoder
-from .decode.calibrate import CALIBRATION_TEXT, calibrate as run_calibration
+from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.integrity import Progress, ZooError, say
@@ -216,7 +216,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
     if calibrate and decoder.drafter is not None:
-        say(progress, "calibrating: timing a few steps at draft lengths 0-8 (so the first call is priced)")
+        say(progress, "calibrating: timing a few steps at draft lengths "
+                      f"{', '.join(map(str, CALIBRATION_LENGTHS))} (so the first call is priced)")
         report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
         if report.step_seconds:
             say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.sampling import SamplingParams
-from ..policy import SpeculationController, make_gamma_policy
+from ..policy import SpeculationController
 from .requests import validate_request
 
 # Short code: what the default pair is for; its greedy continuation is long (no early end of text).
@@ -93,9 +93,9 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
 def _run(decoder, prompt: list[int], length: int, steps: int, controller: SpeculationController) -> int:
     """``steps`` steps of one greedy row pinned to ``length`` drafts; the tokens it committed."""
     request = validate_request(decoder.limits, [prompt], SamplingParams(), steps * (length + 1) + 1)
-    rows = request.rows(make_gamma_policy(length), [0])
+    rows = decoder.rows_for(request, [0], num_draft_tokens=length)
     for row in rows:
-        row.estimate, row.pinned = decoder.controller.new_estimate(), True
+        row.pinned = True  # its length, not the controller's choice: that is what is being timed
     with decoder.new_batch(controller=controller, stop_drafting=False) as batch:
         batch.add(rows)
         for _ in range(steps):
