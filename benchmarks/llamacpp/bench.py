@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repetitive", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--n-ctx", type=int, default=4096)
-    parser.add_argument("--repack", action="store_true")
+    parser.add_argument("--repack", action=argparse.BooleanOptionalAction, default=True,
+                        help="llama.cpp's weight repacking for verispec's target (the backend's default: on)")
     parser.add_argument("--inexact", action="store_true", help="LlamaSettings(exact=False): passes not cut")
     parser.add_argument("--num-draft-tokens", default="auto", type=lambda v: v if v in ("auto", "heuristic") else int(v),
                         help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")

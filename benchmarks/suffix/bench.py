@@ -36,10 +36,11 @@ sys.path.insert(0, str(HERE.parent))
 from run import cpu_name, encode, log, ratio, summarise  # noqa: E402
 
 import verispec  # noqa: E402
-from verispec.drafters import ModelDrafter, NGramDrafter, SuffixDrafter  # noqa: E402
-from verispec.drafters.suffix import ResponseTrees  # noqa: E402
+from verispec.drafters import CompositeDrafter, ModelDrafter, NGramDrafter, SuffixDrafter  # noqa: E402
+from verispec.drafters.suffix import ResponseTrees, SuffixSettings  # noqa: E402
+from verispec.factory import SUFFIX_OVER_MODEL_SCORE  # noqa: E402
 
-METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4")
+METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model")
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -123,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
         p.setdefault("group", "repetitive")
 
     suffix = SuffixDrafter(scope="global")
-    drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model)}
+    # suffix+MODEL as ``verispec.load(target, "suffix+MODEL")`` builds it: suffix drafts where their score is high,
+    # else the model, each row's source chosen by the speculation controller (policy/sources.py).
+    combined_suffix = SuffixDrafter(scope="global", settings=SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE))
+    drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model),
+                "suffix+model": CompositeDrafter(combined_suffix, ModelDrafter(draft_model))}
     log("warm-up: kernels of each shape, and each drafter's speculation controller")
     warm = encode(tokenizer, {"kind": "chat", "text": "Write a Python function that reverses a string."})
     for name, drafter in drafters.items():
@@ -135,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(args), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        suffix.trees = ResponseTrees(suffix.trees.cache_size, suffix.settings.max_depth)  # nothing from before
+        for tree_owner in (suffix, combined_suffix):  # nothing from before
+            tree_owner.trees = ResponseTrees(tree_owner.trees.cache_size, tree_owner.settings.max_depth)
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;
             # and the methods' order rotates by prompt and repeat, so none always runs first.

@@ -60,8 +60,10 @@ def _lib():
 
 @dataclass(frozen=True)
 class LlamaSettings:
-    """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking (faster one-token passes on most
-    quantisations, but only passes of <= 3 rows are batch-invariant); ``flash_attn``: flash attention (off, the
+    """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking, llama.cpp's own default (one-token
+    passes ~1.15-1.3x faster on K-quants; only passes of <= 3 rows are batch-invariant, against <= 7 without it,
+    but a scoring pass costs ~0.6 of a one-token pass per extra token either way on a CPU, so the longer exact
+    drafts buy no more: ``benchmarks/llamacpp/pass_cost.py``); ``flash_attn``: flash attention (off, the
     attention is batch-variant from 2 rows); ``n_ctx``: KV cells shared by all rows (a row may use them all);
     ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size; ``streams``: a
     KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the memory) instead of one memory
@@ -72,7 +74,7 @@ class LlamaSettings:
 
     n_ctx: int = 4096
     n_threads: int | None = None  # None: the CPUs this process may run on
-    repack: bool = False
+    repack: bool = True
     flash_attn: bool = True
     n_seq_max: int = 64
     n_batch: int = 512
