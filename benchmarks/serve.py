@@ -1,11 +1,12 @@
 """Serving benchmark: ``verispec serve`` under 1, 4, 16 and 32 concurrent clients, speculative vs the target alone.
 
     python benchmarks/serve.py [--concurrency 1,4,16,32] [--requests-per-client 3] [--max-tokens 48] [--repeats 2]
-                               [--out benchmarks] [--replot]
+                               [--also-drafts suffix,ngram] [--out benchmarks] [--replot]
 
 One process loads the real pair once (target pre-packed, draft int4, as ``verispec serve`` does) and serves the
 same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="auto"``) and with the target alone
-(the same engine, no drafter, sharing the target's weights). Each client sends streamed greedy completions of
+(the same engine, no drafter, sharing the target's weights); ``--also-drafts`` adds free drafts (``suffix``,
+``ngram``) on the same target weights as further modes, so every drafter is compared in one process. Each client sends streamed greedy completions of
 the prompts in ``prompts.json`` one after another; per request it records the time to the first text, the time
 per output token after it and the whole latency; per level, throughput (completion tokens per second of wall
 time). Each level runs ``--repeats`` times per mode in A B B A order (speculative, alone, alone, speculative)
@@ -180,6 +181,20 @@ def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: 
         engine.shutdown()
 
 
+def free_draft_decoder(speculative: SpeculativeDecoder, name: str, tokenizer) -> SpeculativeDecoder:
+    """A decoder on ``speculative``'s target weights with a free draft (``suffix``: global scope, as ``verispec serve
+    --draft suffix`` without keys; ``ngram``: prompt lookup), calibrated as ``verispec.load`` calibrates."""
+    from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
+    from verispec.drafters import NGramDrafter, SuffixDrafter
+
+    drafters = {"suffix": SuffixDrafter, "ngram": NGramDrafter}
+    if name not in drafters:
+        raise SystemExit(f"--also-drafts: {name!r} is not one of {', '.join(drafters)}")
+    decoder = SpeculativeDecoder(speculative.target_model, drafter=drafters[name](), vocab_size=speculative.vocab_size)
+    calibrate(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
+    return decoder
+
+
 def markdown(results: dict) -> str:
     lines = [
         "# Serving benchmark (`benchmarks/serve.py`)", "",
@@ -193,12 +208,14 @@ def markdown(results: dict) -> str:
     ]
     for level in results["levels"]:
         alone = level["target_alone"]["throughput_tok_s"]
-        for mode in ("speculative", "target_alone"):
+        for mode in [m for m in level if m != "target_alone"] + ["target_alone"]:
             r = level[mode]
             lat, ttft, tpot = r["latency_s"], r["ttft_s"], r["tpot_s"]
             acceptance = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}"
+            label = {"speculative": f"speculative ({results['draft']})"}.get(mode, mode.replace(":", " (") + ")"
+            label = "target alone" if mode == "target_alone" else label
             lines.append(
-                f"| {mode} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
+                f"| {label} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
                 f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
                 f"{tpot.get('p50', 0):.3f} / {tpot.get('p90', 0):.3f} | "
                 f"{acceptance} | "
@@ -227,20 +244,23 @@ def plot(results: dict, path: Path) -> None:
     levels = results["levels"]
     clients = [level["speculative"]["clients"] for level in levels]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(clients, [level["speculative"]["throughput_tok_s"] / level["target_alone"]["throughput_tok_s"]
-                      for level in levels], "o-", label="pooled over repeats")
-    for level in levels:
-        pairs = zip(level["speculative"]["throughput_by_repeat"], level["target_alone"]["throughput_by_repeat"])
-        ratios = [spec / alone for spec, alone in pairs]
-        ax.scatter([level["speculative"]["clients"]] * len(ratios), ratios, color="tab:orange", s=12, zorder=3)
-    ax.scatter([], [], color="tab:orange", s=12, label="one repeat's pair")
+    for mode in [m for m in levels[0] if m != "target_alone"]:
+        name = results["draft"] if mode == "speculative" else mode.split(":", 1)[1]
+        line, = ax.plot(clients, [level[mode]["throughput_tok_s"] / level["target_alone"]["throughput_tok_s"]
+                                  for level in levels], "o-", label=f"{name} (pooled over repeats)")
+        for level in levels:
+            pairs = zip(level[mode]["throughput_by_repeat"], level["target_alone"]["throughput_by_repeat"])
+            ratios = [spec / alone for spec, alone in pairs]
+            ax.scatter([level[mode]["clients"]] * len(ratios), ratios, color=line.get_color(), s=10, zorder=3,
+                       alpha=0.6)
+    ax.scatter([], [], color="grey", s=10, label="one repeat's pair")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.axhline(0.97, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
     ax.set_xticks(clients, [str(c) for c in clients])
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("speculative / target alone (tokens/s)")
-    ax.set_title(f"verispec serve, {results['target']} + {results['draft']}")
+    ax.set_title(f"verispec serve, {results['target']} ({results.get('backend', 'torch')})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -261,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"],
                         help="the target's backend, as verispec serve's --backend")
+    parser.add_argument("--also-drafts", default="", help="comma-separated free drafts (suffix, ngram) measured as "
+                        "further modes on the same target weights")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--replot", action="store_true",
                         help="rewrite SERVE.md and serve.png from the serve.json in --out, without measuring")
@@ -282,15 +304,18 @@ def main(argv: list[str] | None = None) -> int:
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests_per_client, "repeats": args.repeats, "command": " ".join(sys.argv),
+               "also_drafts": [d for d in args.also_drafts.split(",") if d],
                "backend": "torch" if isinstance(speculative.target_model, torch.nn.Module) else "llama.cpp",
                "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
                "levels": []}
     identical = True
     modes = {"speculative": speculative, "target_alone": alone}
+    for name in [d for d in args.also_drafts.split(",") if d]:
+        modes[f"speculative:{name}"] = free_draft_decoder(speculative, name, tokenizer)
     for clients in [int(c) for c in args.concurrency.split(",")]:
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats):  # A B B A ...: a drift in machine speed hits both modes alike
-            for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:
+            for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:  # A B C C B A with more modes
                 log(f"{mode}, {clients} clients, repeat {repeat + 1}/{args.repeats}")
                 runs[mode].append(serve_and_measure(modes[mode], tokenizer, eos, max_context, args, prompts, clients))
                 log(f"  {runs[mode][-1]['throughput_tok_s']:.2f} tok/s, "

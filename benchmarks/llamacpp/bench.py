@@ -90,7 +90,14 @@ def run_verispec(args) -> dict:
     settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, exact=not args.inexact)
     decoders = {}
     t0 = time.perf_counter()
-    base, tokenizer = load(args.target, None, backend="llama.cpp", llama_settings=settings, calibrate=False)
+    on_torch = args.torch_dtype is not None
+    if on_torch:  # the exact alternative: the GGUF dequantised to torch, pre-packed linears (flat multi-token passes)
+        import torch
+
+        torch.set_num_threads(args.threads)
+        base, tokenizer = load(args.target, None, backend="torch", dtype=args.torch_dtype, calibrate=False)
+    else:
+        base, tokenizer = load(args.target, None, backend="llama.cpp", llama_settings=settings, calibrate=False)
     load_s = time.perf_counter() - t0
     model = base.target_model
     eos = eos_token_ids(tokenizer, model)
@@ -119,6 +126,12 @@ def run_verispec(args) -> dict:
     for decoder in decoders.values():
         decoder.generate([warm], max_new_tokens=8, eos_token_id=eos)
     for repeat in range(args.repeats):
+        for decoder in decoders.values():  # suffix trees: earlier responses of this repeat only, never the same
+            drafter = decoder.drafter      # prompt's own answer from an earlier repeat
+            if hasattr(drafter, "trees"):
+                from verispec.drafters.suffix import ResponseTrees
+
+                drafter.trees = ResponseTrees(drafter.trees.cache_size, drafter.settings.max_depth)
         for index, prompt in enumerate(prompts):
             ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
             record = {"prompt": index, "kind": prompt["kind"], "repeat": repeat, "prompt_tokens": len(ids)}
@@ -126,7 +139,7 @@ def run_verispec(args) -> dict:
             alone = base.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
             record["vs_alone"] = {"tokens": len(alone.tokens[0]), "seconds": time.perf_counter() - t0,
                                   "prefill_seconds": alone.stats.prefill_time_s}
-            if repeat == 0:
+            if repeat == 0 and not on_torch:
                 reference = greedy_reference(model, ids, args.max_new_tokens, eos)
                 record["alone_equals_llama_plain_loop"] = reference == alone.tokens[0]
             for name, decoder in decoders.items():
@@ -142,7 +155,8 @@ def run_verispec(args) -> dict:
             log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
                 + ", ".join(f"{k} {decode_rate(v):.1f} tok/s" for k, v in record.items() if isinstance(v, dict)))
             records.append(record)
-    return {"load_seconds": load_s, "regime": model.regime.__dict__, "records": records,
+    return {"load_seconds": load_s, "regime": None if on_torch else model.regime.__dict__, "records": records,
+            "backend": f"torch {args.torch_dtype}" if on_torch else "llama.cpp",
             "prompts": [prompt_text(tokenizer, p) for p in prompts]}
 
 
@@ -215,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")
     parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--torch-dtype", default=None, help=argparse.SUPPRESS)  # the child's backend (below)
+    parser.add_argument("--torch-alternative", default=None, metavar="DTYPE",
+                        help="also run verispec's part on the torch backend at DTYPE (e.g. bfloat16), in a second child")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.verispec_only:
@@ -233,6 +250,15 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": cpu_name(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "repack": args.repack, "command": " ".join([sys.executable, *sys.argv]),
                "verispec": verispec, "llama": []}
+    if args.torch_alternative:
+        part = args.out.with_suffix(".torch.json")
+        child = [sys.executable, __file__, "--verispec-only", "--torch-dtype", args.torch_alternative,
+                 "--out", str(part)] + [a for a in (argv if argv is not None else sys.argv[1:])
+                                        if a not in ("--out", str(args.out), "--torch-alternative", args.torch_alternative)]
+        log(f"verispec on torch {args.torch_alternative} (child process)")
+        output, rss, seconds = run_tool(child, 3600)
+        sys.stderr.write(output[-4000:])
+        results["verispec_torch"] = dict(json.loads(part.read_text()), rss_kb=rss, seconds=seconds)
     if not args.skip_llama:
         from verispec.models.sources import gguf_source
 
@@ -261,6 +287,11 @@ def summarise(results: dict) -> dict:
         for key, value in record.items():
             if isinstance(value, dict) and "seconds" in value:
                 row.setdefault(key, []).append(decode_rate(value))
+    for record in results.get("verispec_torch", {}).get("records", []):
+        row = rows[record["prompt"]]
+        for key, value in record.items():
+            if isinstance(value, dict) and "seconds" in value:
+                row.setdefault(f"torch_{key}", []).append(decode_rate(value))
     for entry in results["llama"]:
         row = rows[entry["prompt"]]
         row["llama_plain"] = entry["plain"]["samples_tok_s"]
@@ -276,6 +307,7 @@ def summarise(results: dict) -> dict:
             row["ratios_to_llama_plain"] = {k: round(v / plain, 3) for k, v in row.items()
                                             if isinstance(v, float) and k != "llama_plain"}
     return {"per_prompt": rows, "verispec_rss_kb": results["verispec"]["rss_kb"],
+            "verispec_torch_rss_kb": results.get("verispec_torch", {}).get("rss_kb"),
             "llama_rss_kb": {k: max((e[k]["rss_kb"] for e in results["llama"] if k in e), default=None)
                              for k in ["plain", "ngram-simple", "ngram-mod", "draft-simple"]}}
 

@@ -26,7 +26,7 @@ from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
-from ..models.cache import new_cache
+from ..models.cache import host_threads, new_cache
 from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
 from ..policy.sources import LOOKUP, MODEL, SourceController, SourceDecision, SourceRow
 from ..telemetry import GenerationStats, SourceCounts, count_source
@@ -133,6 +133,7 @@ class DecodeBatch:
                  stop_drafting: bool = False, model_lock: AbstractContextManager | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
         self.target = new_cache(target_model)  # a CachedLM, or the llama.cpp backend's cache
+        self.target_model = target_model
         self.target.reset(0)
         self.drafter, self.stop_drafting = drafter, stop_drafting
         self.controller = controller if drafter is not None else None  # the cap on every step's draft length
@@ -321,9 +322,19 @@ class DecodeBatch:
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
             lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
-            # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
-            target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
+            with host_threads(self.target_model):
+                # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
+                target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
+        with host_threads(self.target_model):
+            return self._finish_step(rows, proposal, lengths, target_logits, uniforms, gamma, row_gammas, plan,
+                                     catch_up_fed, catch_up_seconds, step_start, waited)
 
+    def _finish_step(self, rows: list[Row], proposal: Proposal, lengths: torch.Tensor, target_logits: torch.Tensor,
+                     uniforms: torch.Tensor | None, gamma: int, row_gammas: list[int], plan: SourceDecision | None,
+                     catch_up_fed: int, catch_up_seconds: list[float], step_start: float,
+                     waited: float) -> list[Row]:
+        """Verification, bookkeeping and the controller's observations of a step whose target pass ran."""
+        k = proposal.draft_ids.shape[1]
         t0 = time.perf_counter()
         result, target_bad, target_logits = self._verify(proposal, lengths, target_logits, uniforms, gamma)
         # The step's single host sync: everything the bookkeeping needs, in one transfer.

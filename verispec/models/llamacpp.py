@@ -166,6 +166,7 @@ class LlamaModel:
     ``generation_config.eos_token_id`` describe it."""
 
     device = torch.device("cpu")
+    host_threads = 1  # torch threads for the loop's work on its logits (``models.cache.HostThreads`` says why)
 
     def __init__(self, path: str | os.PathLike, settings: LlamaSettings | None = None) -> None:
         problem = llama_cpp_unavailable()
