@@ -246,6 +246,32 @@ def test_select_and_append_rows_keep_each_row_exact(llama):
     assert len(llama._free_seqs) == free_before
 
 
+def test_num_logits_and_rollback_over_several_forwards(llama):
+    """As a draft uses a cache: ``num_logits=1`` returns the last column's logits only (what a full pass gives
+    there), and a rollback reaches over several one-token forwards; each row then continues as if alone."""
+    base = prompts([9, 13], seed=20)
+    fed = prompts([3, 3], seed=21)
+    cache = llama.new_cache()
+    cache.reset(2)
+    ids = torch.tensor([[0] * 4 + base[0], base[1]])  # left-padded, as the drafter feeds its prompts
+    mask = ids.new_ones(ids.shape, dtype=torch.bool)
+    mask[0, :4] = False
+    last = cache.forward(ids, mask, torch.zeros_like(ids), num_logits=1)  # [2, 1, V]
+    assert last.shape == (2, 1, VOCAB)
+    for b in range(2):
+        assert same_logits(llama, last[b, 0], decode_alone(llama, base[b][:-1], [base[b][-1]])[-1])
+    for j in range(3):  # three one-token forwards, then keep 1 and 3 of those columns
+        step = torch.tensor([[f[j]] for f in fed])
+        cache.forward(step, torch.ones_like(step, dtype=torch.bool), torch.zeros_like(step), num_logits=1)
+    cache.rollback([1, 3], 3)
+    assert [row.length for row in cache.rows] == [len(base[0]) + 1, len(base[1]) + 3]
+    nxt = torch.tensor([[5], [6]])
+    out = cache.forward(nxt, torch.ones_like(nxt, dtype=torch.bool), torch.zeros_like(nxt))
+    assert same_logits(llama, out[0, 0], decode_alone(llama, base[0], fed[0][:1] + [5])[-1])
+    assert same_logits(llama, out[1, 0], decode_alone(llama, base[1], fed[1] + [6])[-1])
+    cache.select_rows([])
+
+
 # --------------------------------------------------------------------------------- decoding through the loop
 
 
@@ -445,3 +471,48 @@ def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
     finally:
         engine.shutdown()
     assert len(llama._free_seqs) == free_before  # every finished row gave its sequence back
+
+
+# ------------------------------------------------------------------------------------------- a full KV memory
+
+
+def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
+    """llama.cpp keeps what earlier calls of a pass (and of a long prompt) stored when a later call finds no KV
+    cells; the cache removes it again: a ``CacheFullError`` naming n_ctx, the rows and the memory as before, and
+    the same pass once there is room scores as each row alone (up to the order of its cells)."""
+    from verispec.models.cache import CacheFullError
+
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8))
+    try:
+        filler = small.new_cache()
+        filler.reset(1)
+        filler.prefill(prompts([240], seed=40))  # 240 of the 256 cells
+        base = prompts([4, 4], seed=41)
+        cache = small.new_cache()
+        cache.reset(2)
+        cache.prefill(base)  # 8 more: 8 cells left, and the two openings already stored
+        used = small.context.used_cells()
+        assert used == 248 and cache.room().tokens == 10 and "n_ctx=256" in cache.room().memory
+
+        late = small.new_cache()
+        late.reset(1)
+        with pytest.raises(CacheFullError, match="n_ctx=256"):
+            late.prefill(prompts([20], seed=42))  # a first call of 8 tokens fits, the second does not
+        assert (late.rows[0].length, late.rows[0].opening) == (0, None) and small.context.used_cells() == used
+        late.select_rows([])
+
+        more = prompts([7, 7], seed=43)
+        block = torch.tensor([[p[-1], *m] for p, m in zip(base, more)])  # [2, 8]: 14 new tokens in calls of 8
+        with pytest.raises(CacheFullError, match="n_ctx=256"):
+            cache.forward(block, torch.ones_like(block, dtype=torch.bool), torch.zeros_like(block))
+        assert [(row.length, row.opening is not None) for row in cache.rows] == [(3, True), (3, True)]
+        assert small.context.used_cells() == used and cache.room().tokens == 10
+
+        filler.select_rows([])  # the rows' new tokens take cells before their older ones: logits within 0.05
+        out = cache.forward(block, torch.ones_like(block, dtype=torch.bool), torch.zeros_like(block))
+        for b in range(2):
+            assert torch.allclose(out[b], decode_alone(small, base[b], more[b]), rtol=0, atol=0.05)
+        cache.select_rows([])
+        assert small.context.used_cells() == 0
+    finally:
+        small.close()
