@@ -3,7 +3,8 @@
 The GGUF is a 2-layer llama-architecture model whose weights come from a tiny random ``LlamaForCausalLM``
 (Q4_0 matrices, so weight repacking and its batch-size regimes apply as on real files), with a 272-token
 byte-level BPE vocabulary; the same ``LlamaForCausalLM`` in float32, slightly perturbed, is a torch draft that
-agrees with it partly (so blocks are partly accepted: where rollback bugs show).
+agrees with it partly (so blocks are partly accepted: where rollback bugs show), and written as a GGUF of its own,
+the same draft on llama.cpp.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 from verispec import LoadError, SpeculativeDecoder  # noqa: E402
 from verispec.core.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from verispec.drafters import ModelDrafter  # noqa: E402
-from verispec.models.llamacpp import LlamaCache, LlamaModel, LlamaSettings, greedy_reference  # noqa: E402
+from verispec.models.llamacpp import (  # noqa: E402
+    LlamaCache,
+    LlamaModel,
+    LlamaSettings,
+    greedy_reference,
+    load_llama_draft,
+)
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"), ("o", "n"),
           ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "r"), ("Ġ", "w"), ("e", "s")]
@@ -139,6 +146,29 @@ def same_logits(llama: LlamaModel, a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.fixture(scope="session")
 def draft(tiny_gguf) -> LlamaForCausalLM:
     return perturbed(tiny_gguf[1], scale=0.15)
+
+
+@pytest.fixture(scope="session")
+def draft_gguf(draft, tmp_path_factory):
+    """The torch draft written as a GGUF (Q4_0, as the target): a draft model for llama.cpp."""
+    path = tmp_path_factory.mktemp("llamacpp-draft") / "tiny-llama-draft.gguf"
+    write_gguf(draft, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_draft(draft_gguf) -> LlamaModel:
+    """The draft GGUF on llama.cpp as the factory runs one beside a target: one shared memory, repacking on,
+    passes uncut, no regime probe."""
+    model = load_llama_draft(draft_gguf, LlamaSettings(n_ctx=4096, n_threads=2, n_seq_max=80))
+    yield model
+    model.close()
+
+
+@pytest.fixture(params=["torch", "llama.cpp"])
+def any_draft(request, draft, llama_draft):
+    """The partly agreeing draft, on torch and on llama.cpp."""
+    return draft if request.param == "torch" else llama_draft
 
 
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -275,12 +305,12 @@ def test_num_logits_and_rollback_over_several_forwards(llama):
 # --------------------------------------------------------------------------------- decoding through the loop
 
 
-def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, draft):
-    """Speculative greedy with a partly agreeing draft (fixed 4 drafts, budget 37: not a multiple), rows of
-    different prompt lengths in one batch, equals llama.cpp's plain greedy loop per row; blocks are partly
-    accepted (where rollback errors show)."""
+def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, any_draft):
+    """Speculative greedy with a partly agreeing draft on torch or on llama.cpp (fixed 4 drafts, budget 37: not a
+    multiple), rows of different prompt lengths in one batch, equals llama.cpp's plain greedy loop per row; blocks
+    are partly accepted (where rollback errors show)."""
     rows = prompts([5, 17, 40, 1], seed=7)
-    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
+    decoder = SpeculativeDecoder(llama, any_draft, num_draft_tokens=4)
     out = decoder.generate(rows, max_new_tokens=37)
     for b, prompt in enumerate(rows):
         assert out.tokens[b] == greedy_reference(llama, prompt, 37), b
@@ -290,19 +320,31 @@ def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, draft):
     assert alone.tokens == out.tokens
 
 
-def test_eos_inside_an_accepted_block_ends_the_row(llama, draft):
-    prompt = prompts([14], seed=8)[0]
+def test_eos_inside_an_accepted_block_ends_the_row(llama, any_draft):
+    prompt, other = prompts([14, 6], seed=8)
     reference = greedy_reference(llama, prompt, 30)
     eos = reference[9]  # a token the row emits mid-way: generation must stop right after its first occurrence
     first = reference.index(eos)
-    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
-    out = decoder.generate([prompt, prompts([6], seed=9)[0]], max_new_tokens=30, eos_token_id=eos)
+    decoder = SpeculativeDecoder(llama, any_draft, num_draft_tokens=4)
+    out = decoder.generate([prompt, other], max_new_tokens=30, eos_token_id=eos)
     assert out.tokens[0] == reference[: first + 1] and out.finish_reasons[0] == "stop"
+    assert out.tokens[1] == greedy_reference(llama, other, 30, [eos])
+    assert out.stats.row_accepted_tokens[0] > 0  # the row kept drafts: blocks, with the EOS inside one or not
 
 
 def test_sampling_law_of_two_tokens_is_the_targets(llama, draft):
     """Speculative sampling (temperature 0.8, top-k 4) with a draft that disagrees partly: the joint law of the
     first two tokens matches llama.cpp's logits through verispec's warpers (chi-square, p > 1e-6)."""
+    check_two_token_law(llama, draft)
+
+
+@pytest.mark.parametrize("llama", [(False, False)], indirect=True, ids=["shared-memory"])
+def test_sampling_law_with_a_llama_cpp_draft(llama, llama_draft):
+    """The same law with the draft on llama.cpp too (its probabilities from its own logits, passes uncut)."""
+    check_two_token_law(llama, llama_draft)
+
+
+def check_two_token_law(llama: LlamaModel, draft) -> None:
     prompt = prompts([10], seed=10)[0]
     params = SamplingParams(temperature=0.8, top_k=4)
     context_model = llama
@@ -383,6 +425,53 @@ def test_auto_backend_picks_llama_cpp_for_a_gguf(tiny_gguf):
         decoder.target_model.close()
 
 
+def test_factory_runs_a_gguf_draft_on_llama_cpp_beside_the_target(tiny_gguf, draft_gguf, draft, tmp_path):
+    """A GGUF draft (with the target's tokenizer) beside a llama.cpp target runs on llama.cpp with llama.cpp's
+    fast defaults, also as suffix+MODEL's model; the progress says where; greedy output is the plain loop's. A
+    draft that is no GGUF, or a torch target, keeps the draft on torch."""
+    from verispec.drafters import CompositeDrafter
+    from verispec.factory import load
+
+    settings = LlamaSettings(n_ctx=256, n_seq_max=4, n_threads=2)
+    said: list[str] = []
+    decoder, tokenizer = load(str(tiny_gguf[0]), str(draft_gguf), calibrate=False, llama_settings=settings,
+                              progress=said.append, num_draft_tokens=3)
+    target, draft_model = decoder.target_model, decoder.drafter.model
+    try:
+        assert isinstance(target, LlamaModel) and isinstance(draft_model, LlamaModel)
+        assert draft_model.settings.repack and not draft_model.settings.exact and draft_model.regime is None
+        assert (draft_model.settings.n_ctx, draft_model.settings.n_seq_max) == (256, 4)
+        assert any("on llama.cpp beside the target" in line for line in said), said
+        assert not any("on torch" in line for line in said), said
+        ids = tokenizer("the cat sat on the mat, the cat sat on the")["input_ids"]
+        out = decoder.generate([ids], max_new_tokens=16)
+        assert out.tokens[0] == greedy_reference(target, ids, 16) and out.stats.draft_tokens > 0
+    finally:
+        target.close()
+        draft_model.close()
+
+    decoder, _ = load(str(tiny_gguf[0]), f"suffix+{draft_gguf}", calibrate=False, llama_settings=settings)
+    try:
+        assert isinstance(decoder.drafter, CompositeDrafter)
+        assert isinstance(decoder.drafter.model.model, LlamaModel)
+    finally:
+        decoder.target_model.close()
+        decoder.drafter.model.model.close()
+
+    folder = tmp_path / "hf-draft"
+    draft.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    said.clear()
+    decoder, _ = load(str(tiny_gguf[0]), str(folder), calibrate=False, llama_settings=settings, progress=said.append)
+    try:
+        assert isinstance(decoder.drafter.model, torch.nn.Module)
+        assert any("on torch" in line for line in said), said
+    finally:
+        decoder.target_model.close()
+    decoder, _ = load(str(tiny_gguf[0]), str(draft_gguf), backend="torch", calibrate=False)
+    assert isinstance(decoder.target_model, torch.nn.Module) and isinstance(decoder.drafter.model, torch.nn.Module)
+
+
 def test_missing_binding_is_a_one_line_load_error(tiny_gguf, monkeypatch):
     import verispec.models.llamacpp as backend
     from verispec.factory import choose_backend, load
@@ -418,6 +507,35 @@ def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
         model.close()
 
 
+@pytest.mark.slow
+def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
+    """Qwen2.5-Coder-1.5B with the 0.5B as a draft model, both GGUFs on llama.cpp (the draft beside the target,
+    llama.cpp's fast defaults): greedy output of a batch of 2 prompts equals llama.cpp's plain greedy loop of the
+    target per prompt (a KV stream per row: bitwise per row in a batch)."""
+    from verispec import eos_token_ids
+    from verispec.factory import load
+
+    settings = LlamaSettings(n_ctx=512, n_seq_max=2, streams=True)
+    decoder, tokenizer = load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", calibrate=False,
+                              llama_settings=settings)
+    target, draft_model = decoder.target_model, decoder.drafter.model
+    try:
+        assert isinstance(draft_model, LlamaModel)
+        texts = ["Write a Python function that returns the n-th Fibonacci number.",
+                 "Explain in one sentence what a hash map is."]
+        rows = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                        tokenize=False), add_special_tokens=False)["input_ids"]
+                for t in texts]
+        eos = eos_token_ids(tokenizer, target)
+        out = decoder.generate(rows, max_new_tokens=32, eos_token_id=eos, num_draft_tokens=4)
+        for b, ids in enumerate(rows):
+            assert out.tokens[b] == greedy_reference(target, ids, 32, eos), b
+        assert out.stats.accepted_tokens > 0
+    finally:
+        target.close()
+        draft_model.close()
+
+
 def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
     """With a cap of 3 tokens per call (as repacking gives real Q4_K files), a step of 3 rows x 5 tokens is cut
     into 5 calls, rows split across calls: output still llama.cpp's plain greedy loop's."""
@@ -434,9 +552,10 @@ def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
         model.close()
 
 
-def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
-    """The server's engine on the llama.cpp backend: requests join a running batch (their prompts evaluated in
-    caches of their own, appended), leave when done (sequences freed); each output is the plain loop's."""
+def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, any_draft):
+    """The server's engine on the llama.cpp backend, the draft on torch or on llama.cpp: requests join a running
+    batch (their prompts evaluated in caches of their own, appended; a llama.cpp draft prefills them at its next
+    proposal), leave when done (sequences freed, the draft's too); each output is the plain loop's."""
     import threading
 
     from verispec.serving.engine import Engine, EngineRequest, TokensEvent
@@ -456,7 +575,8 @@ def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
                 self.done.set()
 
     free_before = len(llama._free_seqs)
-    engine = Engine(SpeculativeDecoder(llama, draft, num_draft_tokens=3), max_batch_size=3)
+    draft_free = len(any_draft._free_seqs) if isinstance(any_draft, LlamaModel) else None
+    engine = Engine(SpeculativeDecoder(llama, any_draft, num_draft_tokens=3), max_batch_size=3)
     engine.start()
     try:
         requests = [EngineRequest(p, max_new_tokens=20 + 4 * i) for i, p in enumerate(prompts([5, 12, 8, 3, 16], 14))]
@@ -471,6 +591,8 @@ def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
     finally:
         engine.shutdown()
     assert len(llama._free_seqs) == free_before  # every finished row gave its sequence back
+    if draft_free is not None:
+        assert len(any_draft._free_seqs) == draft_free
 
 
 # ------------------------------------------------------------------------------------------- a full KV memory

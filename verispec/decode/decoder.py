@@ -82,8 +82,8 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
     return smaller
 
 
-def _target_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
-    """A target's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
+def _model_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
+    """A model's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
     if hasattr(model, "new_cache"):  # a backend's model (llama.cpp's LlamaModel) describes itself
         return model.vocab_size, model.vocab_size, model.max_positions, model.max_positions_reason
     return (model_vocab_size(model), model.get_input_embeddings().weight.shape[0], *position_limit(model))
@@ -175,18 +175,18 @@ class SpeculativeDecoder:
 
     def _limits_with(self, draft_model: PreTrainedModel | None) -> ModelLimits:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
-        target_vocab, input_limit, positions, reason = _target_shape(self.target_model)
+        target_vocab, input_limit, positions, reason = _model_shape(self.target_model)
         if draft_model is None:
             vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
             return ModelLimits(vocab, input_limit, positions, reason)
         draft_device = model_device(draft_model)
         if draft_device != self.device:
             raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
-        vocab = shared_vocab_size(target_vocab, model_vocab_size(draft_model), self._vocab_size_arg)
-        draft_positions, draft_reason = position_limit(draft_model)
+        draft_vocab, draft_inputs, draft_positions, draft_reason = _model_shape(draft_model)
+        vocab = shared_vocab_size(target_vocab, draft_vocab, self._vocab_size_arg)
         if draft_positions is not None and (positions is None or draft_positions < positions):
             positions, reason = draft_positions, draft_reason and f"the draft: {draft_reason}"
-        input_limit = min(input_limit, draft_model.get_input_embeddings().weight.shape[0])
+        input_limit = min(input_limit, draft_inputs)
         return ModelLimits(vocab, input_limit, positions, reason)
 
     def controller_for(self, draft: object = _USE_DECODER_DRAFT) -> SpeculationController:
@@ -249,10 +249,10 @@ class SpeculativeDecoder:
         """A call's drafter (a model is wrapped in a ``ModelDrafter``) and the limits that go with it."""
         if draft is _USE_DECODER_DRAFT:
             return self.drafter, self.limits
-        if isinstance(draft, PreTrainedModel):
+        if isinstance(draft, PreTrainedModel) or hasattr(draft, "new_cache"):  # a torch model, or llama.cpp's
             return ModelDrafter(draft.eval()), self._limits_with(draft)
         if draft is not None and not isinstance(draft, Drafter):
-            raise TypeError(f"draft must be a PreTrainedModel, a Drafter or None, got {type(draft).__name__}")
+            raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, got {type(draft).__name__}")
         return draft, self.limits
 
     @torch.inference_mode()
