@@ -2,7 +2,8 @@
 
 ``load(target, draft)`` accepts zoo names, Hugging Face model folders, ``.gguf`` files and Hub ids
 (``owner/name``; see ``models.sources``), and applies the CPU fast paths (pre-packed target, int4 draft; a GGUF
-target and a GGUF draft with its tokenizer on llama.cpp) that the benchmarks measure. It assembles models, drafters, policies and the decoder, so it sits above all of them.
+target and a GGUF draft with its tokenizer on llama.cpp) that the benchmarks measure. It assembles models,
+drafters, policies and the decoder, so it sits above all of them.
 """
 
 from __future__ import annotations

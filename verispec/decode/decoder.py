@@ -252,7 +252,8 @@ class SpeculativeDecoder:
         if isinstance(draft, PreTrainedModel) or hasattr(draft, "new_cache"):  # a torch model, or llama.cpp's
             return ModelDrafter(draft.eval()), self._limits_with(draft)
         if draft is not None and not isinstance(draft, Drafter):
-            raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, got {type(draft).__name__}")
+            raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, "
+                            f"got {type(draft).__name__}")
         return draft, self.limits
 
     @torch.inference_mode()

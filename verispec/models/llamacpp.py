@@ -375,7 +375,8 @@ class LlamaCache:
                         token, opening_logits = row.opening
                         first = columns.pop(0)
                         if ids[b][first] != token:
-                            raise ValueError(f"row {b} opens with token {ids[b][first]}, but its prompt ends with {token}")
+                            raise ValueError(f"row {b} opens with token {ids[b][first]}, "
+                                             f"but its prompt ends with {token}")
                         if first >= first_out:
                             logits[b, first - first_out] = opening_logits
                         row.opening = None
