@@ -638,3 +638,96 @@ def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
         assert small.context.used_cells() == 0
     finally:
         small.close()
+
+
+@pytest.fixture(params=["torch-draft", "llama.cpp-draft"])
+def small_pair(request, tiny_gguf, draft, draft_gguf):
+    """A target whose shared memory holds 256 tokens (n_ctx=256), and the partly agreeing draft: on torch, or on
+    llama.cpp with the memory the factory gives it (the target's layout)."""
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=8))
+    on_llama = request.param == "llama.cpp-draft"
+    draft_model = load_llama_draft(draft_gguf, target.settings) if on_llama else draft
+    yield target, draft_model
+    target.close()
+    if on_llama:
+        draft_model.close()
+
+
+def test_a_full_memory_ends_the_newest_rows_and_the_others_run_as_alone(small_pair):
+    """Four rows that each fit the 256 cells alone but not together: ``generate`` ends the newest two when the
+    memory cannot take them (``MemoryFullError`` naming n_ctx; their tokens so far are their own), and the first
+    two run to their end with llama.cpp's plain greedy output, their memory freed after."""
+    from verispec import MemoryFullError
+
+    target, draft_model = small_pair
+    rows = prompts([30, 25, 40, 35], seed=44)
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=4)
+    with pytest.raises(MemoryFullError, match="n_ctx=256") as caught:
+        decoder.generate(rows, max_new_tokens=80)
+    out = caught.value.output
+    assert caught.value.rows == [2, 3] and out.finish_reasons == ["length", "length", "error", "error"]
+    for b, prompt in enumerate(rows):
+        reference = greedy_reference(target, prompt, 80)
+        assert out.tokens[b] == (reference if b < 2 else reference[: len(out.tokens[b])]), b
+    assert 0 < len(out.tokens[2]) < 80 and len(out.tokens[3]) < 80
+    assert out.stats.accepted_tokens > 0
+    assert target.context.used_cells() == 0 and len(target._free_seqs) == 8
+
+
+def test_a_prompt_the_memory_cannot_take_ends_alone(small_pair):
+    """Rows whose prompts do not fit beside the others' end before their prefill, the others go on."""
+    from verispec import MemoryFullError
+
+    target, draft_model = small_pair
+    rows = prompts([100, 100, 100], seed=45)
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=3)
+    with pytest.raises(MemoryFullError) as caught:
+        decoder.generate(rows, max_new_tokens=20)
+    out = caught.value.output
+    assert caught.value.rows == [2] and out.tokens[2] == [] and "before it" in str(caught.value)
+    assert out.tokens[:2] == [greedy_reference(target, p, 20) for p in rows[:2]]
+
+
+def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
+    """Through the server's engine: the requests that do not fit end with an error naming n_ctx (the server
+    reports it on that request's choice), the others finish with the plain loop's output, and the engine goes
+    on serving."""
+    import threading
+
+    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+
+    target, draft_model = small_pair
+    finished: dict[int, tuple] = {}
+    done = threading.Event()
+
+    def collector(key: int, requests: int):
+        tokens: list[int] = []
+
+        def on_event(event) -> None:
+            if isinstance(event, TokensEvent):
+                tokens.extend(event.tokens)
+            else:
+                finished[key] = (tokens, event.reason, event.error)
+                if len(finished) == requests:
+                    done.set()
+        return on_event
+
+    engine = Engine(SpeculativeDecoder(target, draft_model, num_draft_tokens=4), max_batch_size=4)
+    engine.start()
+    try:
+        rows = prompts([30, 25, 40, 35], seed=44)
+        for key, prompt in enumerate(rows):
+            engine.submit(EngineRequest(prompt, max_new_tokens=80), collector(key, 4))
+        assert done.wait(300)
+        for key in (0, 1):
+            assert finished[key] == (greedy_reference(target, rows[key], 80), "length", None)
+        for key in (2, 3):
+            tokens, reason, error = finished[key]
+            assert reason == "error" and "n_ctx=256" in error
+            assert tokens == greedy_reference(target, rows[key], 80)[: len(tokens)]
+        done.clear()
+        finished.clear()
+        engine.submit(EngineRequest(rows[3], max_new_tokens=80), collector(0, 1))  # alone it fits
+        assert done.wait(120) and finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
+    finally:
+        engine.shutdown()

@@ -29,7 +29,7 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
-from ..models.cache import model_device, new_cache
+from ..models.cache import CacheFullError, model_device, new_cache
 from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.sources import SourceController
@@ -49,6 +49,17 @@ class NonFiniteLogitsError(RuntimeError):
             "generation stopped for those rows"
         )
         self.step = step
+        self.rows = rows
+        self.output = output
+
+
+class MemoryFullError(CacheFullError):
+    """The target's memory (llama.cpp's KV cells, shared by the rows in flight) could not hold every row: the
+    newest rows that did not fit ended early (``rows``: their indices; finish reason "error"), the others ran to
+    their end untouched. ``output`` holds what every row generated."""
+
+    def __init__(self, rows: list[int], message: str, output: GenerateOutput) -> None:
+        super().__init__(f"{message} (batch rows {rows})")
         self.rows = rows
         self.output = output
 
@@ -298,7 +309,9 @@ class SpeculativeDecoder:
         timing-free "heuristic" schedule); the global RNG is never used. ``stop_drafting`` (per call, else the
         decoder's setting, on by default): with a model draft, stop a row's block early once the draft's own
         probability of it falls below the controller's threshold (``SpeculationController.stop_threshold``).
-        Bad arguments raise ``ValueError`` before any model work (``validate_request``).
+        Bad arguments raise ``ValueError`` before any model work (``validate_request``). A target memory of fixed
+        size (llama.cpp's KV cells) that cannot hold every row ends the newest rows that do not fit, and the call
+        raises ``MemoryFullError`` once the others are done (its ``output`` holds every row's tokens).
         ``verification`` (per call, else the decoder's; "token" by default): "token" (Leviathan et al.) or
         "block" (Sun et al. 2024: the draft block judged jointly, never fewer tokens kept in expectation); both
         are exact, and identical for greedy rows.
@@ -345,7 +358,10 @@ class SpeculativeDecoder:
         output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],
                                 stats=stats, seed=request.seed,
                                 logprobs=None if logprobs is None else [row.output_logprobs for row in rows])
-        errors = [row for row in rows if row.reason == "error"]
-        if errors:
-            raise NonFiniteLogitsError(min(row.error_step for row in errors), [row.key for row in errors], output)
+        nonfinite = [row for row in rows if row.reason == "error" and row.error_step is not None]
+        if nonfinite:
+            raise NonFiniteLogitsError(min(row.error_step for row in nonfinite), [row.key for row in nonfinite], output)
+        unfit = [row for row in rows if row.memory_full]
+        if unfit:
+            raise MemoryFullError([row.key for row in unfit], unfit[0].error, output)
         return output
