@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "GenerateOutput": ".decode",
     "GenerationStats": ".telemetry",
     "LoadError": ".models",
+    "MemoryFullError": ".decode",
     "ModelDrafter": ".drafters",
     "NGramDrafter": ".drafters",
     "NonFiniteLogitsError": ".decode",
@@ -34,7 +35,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
     from .core.sampling import SamplingParams
-    from .decode import GenerateOutput, NonFiniteLogitsError, SpeculativeDecoder
+    from .decode import GenerateOutput, MemoryFullError, NonFiniteLogitsError, SpeculativeDecoder
     from .drafters import CompositeDrafter, Drafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, Proposal
     from .factory import load
     from .models import LoadError, eos_token_ids, zoo

@@ -1,8 +1,9 @@
 """Build a decoder from model names: the one factory the library, the CLI, the server and offline jobs share.
 
 ``load(target, draft)`` accepts zoo names, Hugging Face model folders, ``.gguf`` files and Hub ids
-(``owner/name``; see ``models.sources``), and applies the CPU fast paths (pre-packed target, int4 draft) that the
-benchmarks measure. It assembles models, drafters, policies and the decoder, so it sits above all of them.
+(``owner/name``; see ``models.sources``), and applies the CPU fast paths (pre-packed target, int4 draft; a GGUF
+target and a GGUF draft with its tokenizer on llama.cpp) that the benchmarks measure. It assembles models,
+drafters, policies and the decoder, so it sits above all of them.
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     ``models/llamacpp.py``; ``llama_settings``, a ``LlamaSettings``, says how; drafts, sampling and the loop are
     verispec's, greedy output token-identical to llama.cpp's plain greedy decoding) or ``"auto"`` (the default:
     llama.cpp for a GGUF target on a CPU when llama-cpp-python is installed, else torch). A draft model runs on
-    torch either way.
+    llama.cpp too when the target does and it is a GGUF with the target's tokenizer (``draft_quant`` does not
+    apply: the file's own quantisation, llama.cpp's fast defaults, ``models.llamacpp.draft_settings``); any other
+    draft model runs on torch.
 
     ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
     ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
@@ -188,7 +191,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     torch_dtype, torch_device = parse_model_dtype(dtype), parse_device(device)
 
     say(progress, f"target: {target}")
-    if choose_backend(target, backend, torch_device) == "llama.cpp":
+    on_llama = choose_backend(target, backend, torch_device) == "llama.cpp"
+    if on_llama:
         target_model, tokenizer = _load_llama(target, llama_settings, progress)
     else:
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
@@ -198,10 +202,13 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     if draft == "ngram":
         drafter = NGramDrafter()
     elif draft not in (None, "none"):
-        say(progress, f"draft: {draft}")
-        draft_model, draft_tokenizer = load_model(draft, torch_dtype, torch_device, progress)
-        if fast:
-            draft_model = _fast_draft(draft_model, draft_quant, progress)
+        loaded = _load_llama_draft(draft, target_model, tokenizer, progress) if on_llama and is_gguf(draft) else None
+        if loaded is None:
+            say(progress, f"draft: {draft}, on torch")
+            loaded = load_model(draft, torch_dtype, torch_device, progress)
+            if fast:
+                loaded = _fast_draft(loaded[0], draft_quant, progress), loaded[1]
+        draft_model, draft_tokenizer = loaded
         if not same_tokenizer(tokenizer, draft_tokenizer) and cross_tokenizer == "text":
             say(progress, "draft: another tokenizer: its text is re-tokenised for the target (one-hot drafts, exact)")
             drafter, draft_model = CrossTokenizerDrafter(draft_model, draft_tokenizer, tokenizer), None
@@ -232,6 +239,24 @@ def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[
         return load_llama(target, settings, progress)
     except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
         raise LoadError(f"cannot load model {target!r} on llama.cpp: {error}") from error
+
+
+def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokenizerBase,
+                      progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase] | None:
+    """A GGUF draft on llama.cpp beside a llama.cpp target (``LlamaModel`` with ``draft_settings``), or None when
+    its tokenizer is not the target's: cross-tokenizer drafting edits a torch cache, so that draft runs on torch."""
+    from .models.llamacpp import gguf_with_tokenizer, load_llama_draft
+
+    try:
+        path, draft_tokenizer = gguf_with_tokenizer(draft, progress)
+        if not same_tokenizer(tokenizer, draft_tokenizer):
+            say(progress, f"draft: {draft} has another tokenizer than the target (cross-tokenizer drafting needs a "
+                          "torch model)")
+            return None
+        say(progress, f"draft: {draft}, on llama.cpp beside the target")
+        return load_llama_draft(path, target_model.settings, progress), draft_tokenizer
+    except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
+        raise LoadError(f"cannot load draft {draft!r} on llama.cpp: {error}") from error
 
 
 def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,

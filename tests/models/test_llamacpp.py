@@ -3,7 +3,8 @@
 The GGUF is a 2-layer llama-architecture model whose weights come from a tiny random ``LlamaForCausalLM``
 (Q4_0 matrices, so weight repacking and its batch-size regimes apply as on real files), with a 272-token
 byte-level BPE vocabulary; the same ``LlamaForCausalLM`` in float32, slightly perturbed, is a torch draft that
-agrees with it partly (so blocks are partly accepted: where rollback bugs show).
+agrees with it partly (so blocks are partly accepted: where rollback bugs show), and written as a GGUF of its own,
+the same draft on llama.cpp.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: E402
 from verispec import LoadError, SpeculativeDecoder  # noqa: E402
 from verispec.core.sampling import SamplingParams, probs_from_logits  # noqa: E402
 from verispec.drafters import ModelDrafter  # noqa: E402
-from verispec.models.llamacpp import LlamaCache, LlamaModel, LlamaSettings, greedy_reference  # noqa: E402
+from verispec.models.llamacpp import (  # noqa: E402
+    LlamaCache,
+    LlamaModel,
+    LlamaSettings,
+    greedy_reference,
+    load_llama_draft,
+)
 
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("Ġ", "a"), ("o", "n"),
           ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "r"), ("Ġ", "w"), ("e", "s")]
@@ -141,6 +148,29 @@ def draft(tiny_gguf) -> LlamaForCausalLM:
     return perturbed(tiny_gguf[1], scale=0.15)
 
 
+@pytest.fixture(scope="session")
+def draft_gguf(draft, tmp_path_factory):
+    """The torch draft written as a GGUF (Q4_0, as the target): a draft model for llama.cpp."""
+    path = tmp_path_factory.mktemp("llamacpp-draft") / "tiny-llama-draft.gguf"
+    write_gguf(draft, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_draft(draft_gguf) -> LlamaModel:
+    """The draft GGUF on llama.cpp as the factory runs one beside a target: one shared memory, repacking on,
+    passes uncut, no regime probe."""
+    model = load_llama_draft(draft_gguf, LlamaSettings(n_ctx=4096, n_threads=2, n_seq_max=80))
+    yield model
+    model.close()
+
+
+@pytest.fixture(params=["torch", "llama.cpp"])
+def any_draft(request, draft, llama_draft):
+    """The partly agreeing draft, on torch and on llama.cpp."""
+    return draft if request.param == "torch" else llama_draft
+
+
 def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB - 1, (n,), generator=generator).tolist() for n in lengths]
@@ -246,15 +276,41 @@ def test_select_and_append_rows_keep_each_row_exact(llama):
     assert len(llama._free_seqs) == free_before
 
 
+def test_num_logits_and_rollback_over_several_forwards(llama):
+    """As a draft uses a cache: ``num_logits=1`` returns the last column's logits only (what a full pass gives
+    there), and a rollback reaches over several one-token forwards; each row then continues as if alone."""
+    base = prompts([9, 13], seed=20)
+    fed = prompts([3, 3], seed=21)
+    cache = llama.new_cache()
+    cache.reset(2)
+    ids = torch.tensor([[0] * 4 + base[0], base[1]])  # left-padded, as the drafter feeds its prompts
+    mask = ids.new_ones(ids.shape, dtype=torch.bool)
+    mask[0, :4] = False
+    last = cache.forward(ids, mask, torch.zeros_like(ids), num_logits=1)  # [2, 1, V]
+    assert last.shape == (2, 1, VOCAB)
+    for b in range(2):
+        assert same_logits(llama, last[b, 0], decode_alone(llama, base[b][:-1], [base[b][-1]])[-1])
+    for j in range(3):  # three one-token forwards, then keep 1 and 3 of those columns
+        step = torch.tensor([[f[j]] for f in fed])
+        cache.forward(step, torch.ones_like(step, dtype=torch.bool), torch.zeros_like(step), num_logits=1)
+    cache.rollback([1, 3], 3)
+    assert [row.length for row in cache.rows] == [len(base[0]) + 1, len(base[1]) + 3]
+    nxt = torch.tensor([[5], [6]])
+    out = cache.forward(nxt, torch.ones_like(nxt, dtype=torch.bool), torch.zeros_like(nxt))
+    assert same_logits(llama, out[0, 0], decode_alone(llama, base[0], fed[0][:1] + [5])[-1])
+    assert same_logits(llama, out[1, 0], decode_alone(llama, base[1], fed[1] + [6])[-1])
+    cache.select_rows([])
+
+
 # --------------------------------------------------------------------------------- decoding through the loop
 
 
-def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, draft):
-    """Speculative greedy with a partly agreeing draft (fixed 4 drafts, budget 37: not a multiple), rows of
-    different prompt lengths in one batch, equals llama.cpp's plain greedy loop per row; blocks are partly
-    accepted (where rollback errors show)."""
+def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, any_draft):
+    """Speculative greedy with a partly agreeing draft on torch or on llama.cpp (fixed 4 drafts, budget 37: not a
+    multiple), rows of different prompt lengths in one batch, equals llama.cpp's plain greedy loop per row; blocks
+    are partly accepted (where rollback errors show)."""
     rows = prompts([5, 17, 40, 1], seed=7)
-    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
+    decoder = SpeculativeDecoder(llama, any_draft, num_draft_tokens=4)
     out = decoder.generate(rows, max_new_tokens=37)
     for b, prompt in enumerate(rows):
         assert out.tokens[b] == greedy_reference(llama, prompt, 37), b
@@ -264,19 +320,31 @@ def test_greedy_equals_llama_cpp_plain_loop_mixed_lengths(llama, draft):
     assert alone.tokens == out.tokens
 
 
-def test_eos_inside_an_accepted_block_ends_the_row(llama, draft):
-    prompt = prompts([14], seed=8)[0]
+def test_eos_inside_an_accepted_block_ends_the_row(llama, any_draft):
+    prompt, other = prompts([14, 6], seed=8)
     reference = greedy_reference(llama, prompt, 30)
     eos = reference[9]  # a token the row emits mid-way: generation must stop right after its first occurrence
     first = reference.index(eos)
-    decoder = SpeculativeDecoder(llama, draft, num_draft_tokens=4)
-    out = decoder.generate([prompt, prompts([6], seed=9)[0]], max_new_tokens=30, eos_token_id=eos)
+    decoder = SpeculativeDecoder(llama, any_draft, num_draft_tokens=4)
+    out = decoder.generate([prompt, other], max_new_tokens=30, eos_token_id=eos)
     assert out.tokens[0] == reference[: first + 1] and out.finish_reasons[0] == "stop"
+    assert out.tokens[1] == greedy_reference(llama, other, 30, [eos])
+    assert out.stats.row_accepted_tokens[0] > 0  # the row kept drafts: blocks, with the EOS inside one or not
 
 
 def test_sampling_law_of_two_tokens_is_the_targets(llama, draft):
     """Speculative sampling (temperature 0.8, top-k 4) with a draft that disagrees partly: the joint law of the
     first two tokens matches llama.cpp's logits through verispec's warpers (chi-square, p > 1e-6)."""
+    check_two_token_law(llama, draft)
+
+
+@pytest.mark.parametrize("llama", [(False, False)], indirect=True, ids=["shared-memory"])
+def test_sampling_law_with_a_llama_cpp_draft(llama, llama_draft):
+    """The same law with the draft on llama.cpp too (its probabilities from its own logits, passes uncut)."""
+    check_two_token_law(llama, llama_draft)
+
+
+def check_two_token_law(llama: LlamaModel, draft) -> None:
     prompt = prompts([10], seed=10)[0]
     params = SamplingParams(temperature=0.8, top_k=4)
     context_model = llama
@@ -357,6 +425,53 @@ def test_auto_backend_picks_llama_cpp_for_a_gguf(tiny_gguf):
         decoder.target_model.close()
 
 
+def test_factory_runs_a_gguf_draft_on_llama_cpp_beside_the_target(tiny_gguf, draft_gguf, draft, tmp_path):
+    """A GGUF draft (with the target's tokenizer) beside a llama.cpp target runs on llama.cpp with llama.cpp's
+    fast defaults, also as suffix+MODEL's model; the progress says where; greedy output is the plain loop's. A
+    draft that is no GGUF, or a torch target, keeps the draft on torch."""
+    from verispec.drafters import CompositeDrafter
+    from verispec.factory import load
+
+    settings = LlamaSettings(n_ctx=256, n_seq_max=4, n_threads=2)
+    said: list[str] = []
+    decoder, tokenizer = load(str(tiny_gguf[0]), str(draft_gguf), calibrate=False, llama_settings=settings,
+                              progress=said.append, num_draft_tokens=3)
+    target, draft_model = decoder.target_model, decoder.drafter.model
+    try:
+        assert isinstance(target, LlamaModel) and isinstance(draft_model, LlamaModel)
+        assert draft_model.settings.repack and not draft_model.settings.exact and draft_model.regime is None
+        assert (draft_model.settings.n_ctx, draft_model.settings.n_seq_max) == (256, 4)
+        assert any("on llama.cpp beside the target" in line for line in said), said
+        assert not any("on torch" in line for line in said), said
+        ids = tokenizer("the cat sat on the mat, the cat sat on the")["input_ids"]
+        out = decoder.generate([ids], max_new_tokens=16)
+        assert out.tokens[0] == greedy_reference(target, ids, 16) and out.stats.draft_tokens > 0
+    finally:
+        target.close()
+        draft_model.close()
+
+    decoder, _ = load(str(tiny_gguf[0]), f"suffix+{draft_gguf}", calibrate=False, llama_settings=settings)
+    try:
+        assert isinstance(decoder.drafter, CompositeDrafter)
+        assert isinstance(decoder.drafter.model.model, LlamaModel)
+    finally:
+        decoder.target_model.close()
+        decoder.drafter.model.model.close()
+
+    folder = tmp_path / "hf-draft"
+    draft.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    said.clear()
+    decoder, _ = load(str(tiny_gguf[0]), str(folder), calibrate=False, llama_settings=settings, progress=said.append)
+    try:
+        assert isinstance(decoder.drafter.model, torch.nn.Module)
+        assert any("on torch" in line for line in said), said
+    finally:
+        decoder.target_model.close()
+    decoder, _ = load(str(tiny_gguf[0]), str(draft_gguf), backend="torch", calibrate=False)
+    assert isinstance(decoder.target_model, torch.nn.Module) and isinstance(decoder.drafter.model, torch.nn.Module)
+
+
 def test_missing_binding_is_a_one_line_load_error(tiny_gguf, monkeypatch):
     import verispec.models.llamacpp as backend
     from verispec.factory import choose_backend, load
@@ -392,6 +507,35 @@ def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
         model.close()
 
 
+@pytest.mark.slow
+def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
+    """Qwen2.5-Coder-1.5B with the 0.5B as a draft model, both GGUFs on llama.cpp (the draft beside the target,
+    llama.cpp's fast defaults): greedy output of a batch of 2 prompts equals llama.cpp's plain greedy loop of the
+    target per prompt (a KV stream per row: bitwise per row in a batch)."""
+    from verispec import eos_token_ids
+    from verispec.factory import load
+
+    settings = LlamaSettings(n_ctx=512, n_seq_max=2, streams=True)
+    decoder, tokenizer = load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", calibrate=False,
+                              llama_settings=settings)
+    target, draft_model = decoder.target_model, decoder.drafter.model
+    try:
+        assert isinstance(draft_model, LlamaModel)
+        texts = ["Write a Python function that returns the n-th Fibonacci number.",
+                 "Explain in one sentence what a hash map is."]
+        rows = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                        tokenize=False), add_special_tokens=False)["input_ids"]
+                for t in texts]
+        eos = eos_token_ids(tokenizer, target)
+        out = decoder.generate(rows, max_new_tokens=32, eos_token_id=eos, num_draft_tokens=4)
+        for b, ids in enumerate(rows):
+            assert out.tokens[b] == greedy_reference(target, ids, 32, eos), b
+        assert out.stats.accepted_tokens > 0
+    finally:
+        target.close()
+        draft_model.close()
+
+
 def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
     """With a cap of 3 tokens per call (as repacking gives real Q4_K files), a step of 3 rows x 5 tokens is cut
     into 5 calls, rows split across calls: output still llama.cpp's plain greedy loop's."""
@@ -408,9 +552,10 @@ def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
         model.close()
 
 
-def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
-    """The server's engine on the llama.cpp backend: requests join a running batch (their prompts evaluated in
-    caches of their own, appended), leave when done (sequences freed); each output is the plain loop's."""
+def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, any_draft):
+    """The server's engine on the llama.cpp backend, the draft on torch or on llama.cpp: requests join a running
+    batch (their prompts evaluated in caches of their own, appended; a llama.cpp draft prefills them at its next
+    proposal), leave when done (sequences freed, the draft's too); each output is the plain loop's."""
     import threading
 
     from verispec.serving.engine import Engine, EngineRequest, TokensEvent
@@ -430,7 +575,8 @@ def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
                 self.done.set()
 
     free_before = len(llama._free_seqs)
-    engine = Engine(SpeculativeDecoder(llama, draft, num_draft_tokens=3), max_batch_size=3)
+    draft_free = len(any_draft._free_seqs) if isinstance(any_draft, LlamaModel) else None
+    engine = Engine(SpeculativeDecoder(llama, any_draft, num_draft_tokens=3), max_batch_size=3)
     engine.start()
     try:
         requests = [EngineRequest(p, max_new_tokens=20 + 4 * i) for i, p in enumerate(prompts([5, 12, 8, 3, 16], 14))]
@@ -445,3 +591,143 @@ def test_engine_rows_joining_mid_run_keep_llama_cpp_greedy_output(llama, draft):
     finally:
         engine.shutdown()
     assert len(llama._free_seqs) == free_before  # every finished row gave its sequence back
+    if draft_free is not None:
+        assert len(any_draft._free_seqs) == draft_free
+
+
+# ------------------------------------------------------------------------------------------- a full KV memory
+
+
+def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
+    """llama.cpp keeps what earlier calls of a pass (and of a long prompt) stored when a later call finds no KV
+    cells; the cache removes it again: a ``CacheFullError`` naming n_ctx, the rows and the memory as before, and
+    the same pass once there is room scores as each row alone (up to the order of its cells)."""
+    from verispec.models.cache import CacheFullError
+
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8))
+    try:
+        filler = small.new_cache()
+        filler.reset(1)
+        filler.prefill(prompts([240], seed=40))  # 240 of the 256 cells
+        base = prompts([4, 4], seed=41)
+        cache = small.new_cache()
+        cache.reset(2)
+        cache.prefill(base)  # 8 more: 8 cells left, and the two openings already stored
+        used = small.context.used_cells()
+        assert used == 248 and cache.room().tokens == 10 and "n_ctx=256" in cache.room().memory
+
+        late = small.new_cache()
+        late.reset(1)
+        with pytest.raises(CacheFullError, match="n_ctx=256"):
+            late.prefill(prompts([20], seed=42))  # a first call of 8 tokens fits, the second does not
+        assert (late.rows[0].length, late.rows[0].opening) == (0, None) and small.context.used_cells() == used
+        late.select_rows([])
+
+        more = prompts([7, 7], seed=43)
+        block = torch.tensor([[p[-1], *m] for p, m in zip(base, more)])  # [2, 8]: 14 new tokens in calls of 8
+        with pytest.raises(CacheFullError, match="n_ctx=256"):
+            cache.forward(block, torch.ones_like(block, dtype=torch.bool), torch.zeros_like(block))
+        assert [(row.length, row.opening is not None) for row in cache.rows] == [(3, True), (3, True)]
+        assert small.context.used_cells() == used and cache.room().tokens == 10
+
+        filler.select_rows([])  # the rows' new tokens take cells before their older ones: logits within 0.05
+        out = cache.forward(block, torch.ones_like(block, dtype=torch.bool), torch.zeros_like(block))
+        for b in range(2):
+            assert torch.allclose(out[b], decode_alone(small, base[b], more[b]), rtol=0, atol=0.05)
+        cache.select_rows([])
+        assert small.context.used_cells() == 0
+    finally:
+        small.close()
+
+
+@pytest.fixture(params=["torch-draft", "llama.cpp-draft"])
+def small_pair(request, tiny_gguf, draft, draft_gguf):
+    """A target whose shared memory holds 256 tokens (n_ctx=256), and the partly agreeing draft: on torch, or on
+    llama.cpp with the memory the factory gives it (the target's layout)."""
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=8))
+    on_llama = request.param == "llama.cpp-draft"
+    draft_model = load_llama_draft(draft_gguf, target.settings) if on_llama else draft
+    yield target, draft_model
+    target.close()
+    if on_llama:
+        draft_model.close()
+
+
+def test_a_full_memory_ends_the_newest_rows_and_the_others_run_as_alone(small_pair):
+    """Four rows that each fit the 256 cells alone but not together: ``generate`` ends the newest two when the
+    memory cannot take them (``MemoryFullError`` naming n_ctx; their tokens so far are their own), and the first
+    two run to their end with llama.cpp's plain greedy output, their memory freed after."""
+    from verispec import MemoryFullError
+
+    target, draft_model = small_pair
+    rows = prompts([30, 25, 40, 35], seed=44)
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=4)
+    with pytest.raises(MemoryFullError, match="n_ctx=256") as caught:
+        decoder.generate(rows, max_new_tokens=80)
+    out = caught.value.output
+    assert caught.value.rows == [2, 3] and out.finish_reasons == ["length", "length", "error", "error"]
+    for b, prompt in enumerate(rows):
+        reference = greedy_reference(target, prompt, 80)
+        assert out.tokens[b] == (reference if b < 2 else reference[: len(out.tokens[b])]), b
+    assert 0 < len(out.tokens[2]) < 80 and len(out.tokens[3]) < 80
+    assert out.stats.accepted_tokens > 0
+    assert target.context.used_cells() == 0 and len(target._free_seqs) == 8
+
+
+def test_a_prompt_the_memory_cannot_take_ends_alone(small_pair):
+    """Rows whose prompts do not fit beside the others' end before their prefill, the others go on."""
+    from verispec import MemoryFullError
+
+    target, draft_model = small_pair
+    rows = prompts([100, 100, 100], seed=45)
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=3)
+    with pytest.raises(MemoryFullError) as caught:
+        decoder.generate(rows, max_new_tokens=20)
+    out = caught.value.output
+    assert caught.value.rows == [2] and out.tokens[2] == [] and "before it" in str(caught.value)
+    assert out.tokens[:2] == [greedy_reference(target, p, 20) for p in rows[:2]]
+
+
+def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
+    """Through the server's engine: the requests that do not fit end with an error naming n_ctx (the server
+    reports it on that request's choice), the others finish with the plain loop's output, and the engine goes
+    on serving."""
+    import threading
+
+    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+
+    target, draft_model = small_pair
+    finished: dict[int, tuple] = {}
+    done = threading.Event()
+
+    def collector(key: int, requests: int):
+        tokens: list[int] = []
+
+        def on_event(event) -> None:
+            if isinstance(event, TokensEvent):
+                tokens.extend(event.tokens)
+            else:
+                finished[key] = (tokens, event.reason, event.error)
+                if len(finished) == requests:
+                    done.set()
+        return on_event
+
+    engine = Engine(SpeculativeDecoder(target, draft_model, num_draft_tokens=4), max_batch_size=4)
+    engine.start()
+    try:
+        rows = prompts([30, 25, 40, 35], seed=44)
+        for key, prompt in enumerate(rows):
+            engine.submit(EngineRequest(prompt, max_new_tokens=80), collector(key, 4))
+        assert done.wait(300)
+        for key in (0, 1):
+            assert finished[key] == (greedy_reference(target, rows[key], 80), "length", None)
+        for key in (2, 3):
+            tokens, reason, error = finished[key]
+            assert reason == "error" and "n_ctx=256" in error
+            assert tokens == greedy_reference(target, rows[key], 80)[: len(tokens)]
+        done.clear()
+        finished.clear()
+        engine.submit(EngineRequest(rows[3], max_new_tokens=80), collector(0, 1))  # alone it fits
+        assert done.wait(120) and finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
+    finally:
+        engine.shutdown()

@@ -5,6 +5,11 @@ drafter object (which holds the draft's cache and the rows' histories). Two batc
 an engine's and a ``generate`` call's, therefore never share a cache. Their model passes (and the creation
 of caches, sized from the model's config) are serialised by the decoder's lock, since an early-exit drafter
 reshapes the shared model while it drafts.
+
+A target cache of fixed size (llama.cpp's KV memory, shared by every row in flight: ``room``) may not hold every
+row to its end. Before a prefill and before each step the batch checks what the pass needs: the newest rows that
+do not fit end alone (reason "error", an error naming the memory), the others go on untouched, and drafts are
+shortened (never a pinned row's) while the memory is short.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
-from ..models.cache import host_threads, new_cache
+from ..models.cache import Room, host_threads, new_cache
 from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
 from ..policy.sources import LOOKUP, MODEL, SourceController, SourceDecision, SourceRow
 from ..telemetry import GenerationStats, SourceCounts, count_source
@@ -95,6 +100,7 @@ class Row:
     reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
     error: str | None = None  # what went wrong, for reason "error"
     error_step: int | None = None  # the decode step of non-finite target logits
+    memory_full: bool = False  # ended because the target's memory could not hold it beside the rows before it
     callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -149,8 +155,12 @@ class DecodeBatch:
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] committed tokens per row
 
     def close(self) -> None:
-        """Give the drafter back (another batch may use it from now on); the batch must not step again."""
+        """Give the drafter back (another batch may use it from now on) and free the rows left in the target's
+        cache (a batch closed after a failure: their memory is free now, not when the batch is collected); the
+        batch must not step again."""
         self.clock.settle()
+        if self.target.batch_size:
+            self.target.select_rows([])
         if self._on_close is not None:
             self._on_close()
             self._on_close = None
@@ -178,8 +188,11 @@ class DecodeBatch:
         if not rows:
             return
         t0 = time.perf_counter()
-        prompts = [row.prompt for row in rows]
         with self._model_lock:  # a new cache is sized from the config, which an early-exit draft lowers meanwhile
+            rows = self._fit_prompts(rows)
+            if not rows:
+                return
+            prompts = [row.prompt for row in rows]
             fresh = new_cache(self.target.model)
             fresh.reset(len(rows))
             if fresh.prefill(prompts):
@@ -201,6 +214,38 @@ class DecodeBatch:
             self.drafter.start(prompts, sampling, self.vocab_size)
             self._drafter_started = True
         self.stats.draft_calls += self.drafter.calls - calls
+
+    # --- a target memory of fixed size: the newest rows that do not fit end, the others go on ---------------
+    def _fit_prompts(self, rows: list[Row]) -> list[Row]:
+        """The joining ``rows`` whose prompts the target's memory takes, in order; the others (the newest) end."""
+        room = self.target.room()
+        fitting = list(rows)
+        while room is not None and fitting and sum(len(row.prompt) for row in fitting) > room.tokens:
+            self._fail_for_memory(fitting.pop(), room, len(self.rows) + len(fitting))
+        return fitting
+
+    def _fit_rows(self) -> tuple[list[Row], Room | None]:
+        """Before a step: end the newest rows while the others' pass does not fit (every row scores the widest
+        block, its last token and the pinned rows' drafts); returns them and the room left."""
+        room, ended = self.target.room(), []
+        while room is not None and self.rows and len(self.rows) * (1 + self._pinned_length()) > room.tokens:
+            self._fail_for_memory(self.rows[-1], room, len(self.rows) - 1)
+            ended += self._drop_finished()
+            room = self.target.room()
+        return ended, room
+
+    def _pinned_length(self) -> int:
+        """The longest draft a row makes whatever the controller decides (its policy's: pinned, or unweighed)."""
+        if self.drafter is None:
+            return 0
+        return max((row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in self.rows
+                    if self.controller is None or row.pinned or row.estimate is None), default=0)
+
+    @staticmethod
+    def _fail_for_memory(row: Row, room: Room, ahead: int) -> None:
+        row.memory_full = True
+        row.fail(f"{room.memory} is full: this request did not fit beside the {ahead} rows before it (it ended after "
+                 f"{len(row.output)} tokens); send fewer requests at once, or load with a larger n_ctx")
 
     def cancel(self, keys: set[int]) -> list[Row]:
         """Drop the rows with these keys (finish reason "cancelled"), freeing their cache."""
@@ -308,8 +353,13 @@ class DecodeBatch:
     def step(self) -> list[Row]:
         """One decode step for every active row; returns the rows that finished (and left the batch)."""
         step_start = time.perf_counter()
+        ended, room = self._fit_rows()
+        if not self.rows:
+            return ended
         rows = list(self.rows)
         row_gammas, stop_below, plan = self._draft_lengths()
+        if room is not None:  # a short memory: every row's block as wide as the room allows
+            row_gammas = [min(g, max(room.tokens // len(rows) - 1, 0)) for g in row_gammas]
         gamma = max(row_gammas)
         uniforms = draw_uniforms([row.generator for row in rows], row_gammas, gamma, self.device)
         catch_up_fed, catch_up_seconds = 0, []  # tokens and seconds of the drafter's backlog pass, if any
@@ -326,8 +376,8 @@ class DecodeBatch:
                 # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
                 target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
         with host_threads(self.target_model):
-            return self._finish_step(rows, proposal, lengths, target_logits, uniforms, gamma, row_gammas, plan,
-                                     catch_up_fed, catch_up_seconds, step_start, waited)
+            return ended + self._finish_step(rows, proposal, lengths, target_logits, uniforms, gamma, row_gammas,
+                                             plan, catch_up_fed, catch_up_seconds, step_start, waited)
 
     def _finish_step(self, rows: list[Row], proposal: Proposal, lengths: torch.Tensor, target_logits: torch.Tensor,
                      uniforms: torch.Tensor | None, gamma: int, row_gammas: list[int], plan: SourceDecision | None,

@@ -29,7 +29,7 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
-from ..models.cache import model_device, new_cache
+from ..models.cache import CacheFullError, model_device, new_cache
 from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.sources import SourceController
@@ -49,6 +49,17 @@ class NonFiniteLogitsError(RuntimeError):
             "generation stopped for those rows"
         )
         self.step = step
+        self.rows = rows
+        self.output = output
+
+
+class MemoryFullError(CacheFullError):
+    """The target's memory (llama.cpp's KV cells, shared by the rows in flight) could not hold every row: the
+    newest rows that did not fit ended early (``rows``: their indices; finish reason "error"), the others ran to
+    their end untouched. ``output`` holds what every row generated."""
+
+    def __init__(self, rows: list[int], message: str, output: GenerateOutput) -> None:
+        super().__init__(f"{message} (batch rows {rows})")
         self.rows = rows
         self.output = output
 
@@ -82,8 +93,8 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
     return smaller
 
 
-def _target_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
-    """A target's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
+def _model_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
+    """A model's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
     if hasattr(model, "new_cache"):  # a backend's model (llama.cpp's LlamaModel) describes itself
         return model.vocab_size, model.vocab_size, model.max_positions, model.max_positions_reason
     return (model_vocab_size(model), model.get_input_embeddings().weight.shape[0], *position_limit(model))
@@ -175,18 +186,18 @@ class SpeculativeDecoder:
 
     def _limits_with(self, draft_model: PreTrainedModel | None) -> ModelLimits:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
-        target_vocab, input_limit, positions, reason = _target_shape(self.target_model)
+        target_vocab, input_limit, positions, reason = _model_shape(self.target_model)
         if draft_model is None:
             vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
             return ModelLimits(vocab, input_limit, positions, reason)
         draft_device = model_device(draft_model)
         if draft_device != self.device:
             raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
-        vocab = shared_vocab_size(target_vocab, model_vocab_size(draft_model), self._vocab_size_arg)
-        draft_positions, draft_reason = position_limit(draft_model)
+        draft_vocab, draft_inputs, draft_positions, draft_reason = _model_shape(draft_model)
+        vocab = shared_vocab_size(target_vocab, draft_vocab, self._vocab_size_arg)
         if draft_positions is not None and (positions is None or draft_positions < positions):
             positions, reason = draft_positions, draft_reason and f"the draft: {draft_reason}"
-        input_limit = min(input_limit, draft_model.get_input_embeddings().weight.shape[0])
+        input_limit = min(input_limit, draft_inputs)
         return ModelLimits(vocab, input_limit, positions, reason)
 
     def controller_for(self, draft: object = _USE_DECODER_DRAFT) -> SpeculationController:
@@ -249,10 +260,11 @@ class SpeculativeDecoder:
         """A call's drafter (a model is wrapped in a ``ModelDrafter``) and the limits that go with it."""
         if draft is _USE_DECODER_DRAFT:
             return self.drafter, self.limits
-        if isinstance(draft, PreTrainedModel):
+        if isinstance(draft, PreTrainedModel) or hasattr(draft, "new_cache"):  # a torch model, or llama.cpp's
             return ModelDrafter(draft.eval()), self._limits_with(draft)
         if draft is not None and not isinstance(draft, Drafter):
-            raise TypeError(f"draft must be a PreTrainedModel, a Drafter or None, got {type(draft).__name__}")
+            raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, "
+                            f"got {type(draft).__name__}")
         return draft, self.limits
 
     @torch.inference_mode()
@@ -297,7 +309,9 @@ class SpeculativeDecoder:
         timing-free "heuristic" schedule); the global RNG is never used. ``stop_drafting`` (per call, else the
         decoder's setting, on by default): with a model draft, stop a row's block early once the draft's own
         probability of it falls below the controller's threshold (``SpeculationController.stop_threshold``).
-        Bad arguments raise ``ValueError`` before any model work (``validate_request``).
+        Bad arguments raise ``ValueError`` before any model work (``validate_request``). A target memory of fixed
+        size (llama.cpp's KV cells) that cannot hold every row ends the newest rows that do not fit, and the call
+        raises ``MemoryFullError`` once the others are done (its ``output`` holds every row's tokens).
         ``verification`` (per call, else the decoder's; "token" by default): "token" (Leviathan et al.) or
         "block" (Sun et al. 2024: the draft block judged jointly, never fewer tokens kept in expectation); both
         are exact, and identical for greedy rows.
@@ -344,7 +358,10 @@ class SpeculativeDecoder:
         output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],
                                 stats=stats, seed=request.seed,
                                 logprobs=None if logprobs is None else [row.output_logprobs for row in rows])
-        errors = [row for row in rows if row.reason == "error"]
-        if errors:
-            raise NonFiniteLogitsError(min(row.error_step for row in errors), [row.key for row in errors], output)
+        nonfinite = [row for row in rows if row.reason == "error" and row.error_step is not None]
+        if nonfinite:
+            raise NonFiniteLogitsError(min(row.error_step for row in nonfinite), [row.key for row in nonfinite], output)
+        unfit = [row for row in rows if row.memory_full]
+        if unfit:
+            raise MemoryFullError([row.key for row in unfit], unfit[0].error, output)
         return output

@@ -74,6 +74,9 @@ class CrossTokenizerDrafter(Drafter):
 
     def __init__(self, draft_model: PreTrainedModel, draft_tokenizer: PreTrainedTokenizerBase,
                  target_tokenizer: PreTrainedTokenizerBase, extra_draft_tokens: int = 2) -> None:
+        if not isinstance(draft_model, torch.nn.Module):  # e.g. a GGUF on llama.cpp: load it with backend torch
+            raise TypeError(f"{type(self).__name__} drafts with a torch model (it edits its cache's slot mask), "
+                            f"not a {type(draft_model).__name__}")
         self.model = draft_model
         self.draft_tokenizer, self.target_tokenizer = draft_tokenizer, target_tokenizer
         self.extra_draft_tokens = extra_draft_tokens

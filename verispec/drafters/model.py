@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
-from ..models.cache import CachedLM, left_pad, padded_positions
+from ..models.cache import left_pad, new_cache, padded_positions
 from .base import Drafter, Proposal, per_row
 
 
@@ -47,6 +47,9 @@ class ModelDrafter(Drafter):
     prompt is pending too: it is prefilled (on its own) by the first proposal after it joined, so a request
     that joins while the speculation controller keeps the draft off, and leaves before it drafts, costs no draft
     pass.
+
+    The cache comes from the model's own opener (``models.cache.new_cache``): a ``CachedLM`` for a torch model, a
+    ``LlamaCache`` for a GGUF on llama.cpp (``models/llamacpp.py``); both hold exactly the rows of the batch.
     """
 
     # Pending tokens a row holds between steps that draft (its last token, or its last draft and the bonus):
@@ -54,7 +57,7 @@ class ModelDrafter(Drafter):
     in_step_pending = 2
 
     def __init__(self, model: PreTrainedModel) -> None:
-        self.lm = CachedLM(model)
+        self.lm = new_cache(model, check=True)
         self.model = model
         self.calls = 0
 
@@ -81,7 +84,7 @@ class ModelDrafter(Drafter):
         self.generated += [TokenHistory() for _ in prompts]  # counts kept as they grow
         self.pending += [list(p) for p in prompts]
         self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
-        empty = CachedLM(self.model, check=False)
+        empty = new_cache(self.model)
         empty.reset(len(prompts))
         self.lm.append_rows(empty)
 
@@ -113,15 +116,16 @@ class ModelDrafter(Drafter):
 
     def _prefill(self, rows: list[int]) -> None:
         """Prefill these rows on their own (all pending tokens but the last) and put them back in place: the
-        pass costs their tokens, not a pass padded to the whole batch."""
+        pass costs their tokens, not a pass padded to the whole batch. Their empty rows leave the cache before
+        the fresh ones are opened, so the draft never holds more rows than the batch."""
         ids, mask = left_pad([self.pending[r][:-1] for r in rows])  # [R, w]
-        fresh = CachedLM(self.model, check=False)
-        fresh.reset(len(rows))
-        fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
-        self.calls += 1
         chosen = set(rows)
         order = [r for r in range(len(self.pending)) if r not in chosen] + rows  # position -> row, after append
         self.lm.select_rows(order[: len(order) - len(rows)])
+        fresh = new_cache(self.model)
+        fresh.reset(len(rows))
+        fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+        self.calls += 1
         self.lm.append_rows(fresh)
         self.lm.select_rows(sorted(range(len(order)), key=order.__getitem__))  # back to the rows' own order
         for r in rows:

@@ -23,12 +23,28 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from .capability import UNROLLABLE_LAYERS, UnsupportedModelError, position_limit, require_exact_rollback
+
+
+class CacheFullError(RuntimeError):
+    """A cache's memory has no room for a pass's tokens (llama.cpp's KV cells are all in use). The cache is as it
+    was before the pass."""
+
+
+@dataclass(frozen=True)
+class Room:
+    """What a cache of fixed size takes now: ``tokens`` more in its next passes (all its rows together, beside
+    every other cache sharing its memory), and ``memory``, what that memory is (for the error of a row that does
+    not fit)."""
+
+    tokens: int
+    memory: str
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -113,6 +129,10 @@ class CachedLM:
     @property
     def num_slots(self) -> int:
         return self.slot_mask.shape[1]
+
+    def room(self) -> Room | None:
+        """None: this cache grows as its rows do (its device's memory is the limit, as for any tensor)."""
+        return None
 
     def reset(self, batch_size: int) -> None:
         self.cache = DynamicCache(config=self.model.config)

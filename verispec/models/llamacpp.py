@@ -4,10 +4,13 @@
 every row of every batch, one sequence id per row; ``LlamaCache`` (one per batch, as ``CachedLM``) owns the
 sequence ids of its rows:
 
-- ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]``;
+- ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]`` (or only the last
+  ``num_logits`` columns, the only ones llama.cpp is then asked for);
 - ``rollback`` removes each row's rejected positions with ``llama_memory_seq_rm`` (per row, by its own count);
 - ``select_rows`` frees the dropped rows' sequences, ``append_rows`` takes over another cache's sequences
-  (no copy: they already live in the shared memory).
+  (no copy: they already live in the shared memory);
+- ``room`` says how many more tokens the shared memory takes, so that a batch can end the rows that do not fit
+  before a pass fails; a pass that fails anyway (``CacheFullError``) leaves the cache as it was before it.
 
 Exactness. llama.cpp's CPU matrix products take different code paths by the number of rows in a pass, so a
 block of k+1 tokens can round differently from one-token decoding (measured: passes of 1-3 rows agree bitwise
@@ -19,6 +22,9 @@ time), so its cache is the one ``greedy_reference`` (llama.cpp's plain greedy lo
 therefore token-identical to llama.cpp's plain greedy decoding of the same file with the same settings
 (tested); sampling is exact in law, since verispec's warpers and verifier run on these logits.
 
+A draft model may run here too (``load_llama_draft``): with passes uncut (``exact=False``) and weight repacking
+on, llama.cpp's fast defaults, since the target verifies every token it proposes.
+
 llama-cpp-python is imported only when a model is loaded, so this module imports without it.
 """
 
@@ -27,16 +33,19 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
+from .cache import CacheFullError, Room
+
 LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: build it with `CMAKE_ARGS=\"$(.ci/llama_cmake_args)\" "
                      "pip install llama-cpp-python==0.3.36` (docs/llamacpp.md), or use backend='torch'")
 PROBE_MAX_ROWS = 16  # the widest pass the regime probe tries
+HISTORY = 1024  # input columns a cache remembers for rollback (a rollback reaches at most this far back)
 
 
 def llama_cpp_unavailable() -> str | None:
@@ -115,6 +124,20 @@ class _Context:
         self.n_vocab = model.n_vocab
         self.capacity = s.n_batch
         self.batch = lib.llama_batch_init(self.capacity, 0, 1)
+        self.n_seq_max, self.unified = n_seq_max, unified
+        self.cells = int(lib.llama_n_ctx_seq(self.ctx))  # KV cells of the memory (of each row's stream, unified off)
+        self.n_ctx = s.n_ctx
+
+    def full_memory(self) -> str:
+        """What the memory holds, for the error that says it is full."""
+        if self.unified:
+            return f"llama.cpp's KV memory ({self.cells} cells for n_ctx={self.n_ctx}, shared by every row in flight)"
+        return f"llama.cpp's KV memory ({self.cells} cells per row's stream, n_ctx={self.n_ctx})"
+
+    def used_cells(self) -> int:
+        """Cells holding a token, over all sequences (a sequence holds positions 0..max, one cell each)."""
+        lib = _lib()
+        return sum(int(lib.llama_memory_seq_pos_max(self.memory, seq)) + 1 for seq in range(self.n_seq_max))
 
     def close(self) -> None:
         lib = _lib()
@@ -125,7 +148,9 @@ class _Context:
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
                outputs: Sequence[bool]) -> np.ndarray:
-        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order."""
+        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order. ``CacheFullError`` when
+        the memory has no cells for the tokens (llama.cpp then restores the memory as it was); ``RuntimeError``
+        for any other failure (the ubatches processed before it stay in the memory: the caller removes them)."""
         lib, batch, n = _lib(), self.batch, len(tokens)
         assert 0 < n <= self.capacity
         for i in range(n):
@@ -133,10 +158,11 @@ class _Context:
             batch.seq_id[i][0], batch.logits[i] = seqs[i], bool(outputs[i])
         batch.n_tokens = n
         status = lib.llama_decode(self.ctx, batch)
+        if status == 1:
+            raise CacheFullError(f"{self.full_memory()} is full: send fewer rows or tokens at once, or load with a "
+                                 "larger n_ctx")
         if status != 0:
-            raise RuntimeError(
-                "llama.cpp's KV memory is full: lower the rows or tokens in flight, or load with a larger n_ctx"
-                if status == 1 else f"llama_decode failed with status {status}")
+            raise RuntimeError(f"llama_decode failed with status {status}")
         count = sum(map(bool, outputs))
         if count == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
@@ -168,13 +194,17 @@ class LlamaModel:
     device = torch.device("cpu")
     host_threads = 1  # torch threads for the loop's work on its logits (``models.cache.HostThreads`` says why)
 
-    def __init__(self, path: str | os.PathLike, settings: LlamaSettings | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, settings: LlamaSettings | None = None, probe: bool = True) -> None:
+        """``probe``: measure the batch-invariance regime (``probe_regime``), which ``exact`` needs; a draft,
+        which need not be exact, skips it (``regime`` is then None)."""
         problem = llama_cpp_unavailable()
         if problem is not None:
             raise ImportError(problem)
         lib = _lib()
         self.path = Path(path)
         self.settings = settings or LlamaSettings()
+        if self.settings.exact and not probe:
+            raise ValueError("exact=True cuts passes to the probed regime: load with probe=True")
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -191,7 +221,7 @@ class LlamaModel:
         s = self.settings
         self.context = _Context(self, s.n_ctx * (s.n_seq_max if s.streams else 1), s.n_seq_max, not s.streams)
         self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
-        self.regime = probe_regime(self)
+        self.regime = probe_regime(self) if probe else None
 
     # ------------------------------------------------------------------ what the decoder reads
     @property
@@ -212,7 +242,7 @@ class LlamaModel:
     @property
     def pass_cap(self) -> int | None:
         """The most tokens one ``llama_decode`` scores (None: uncut, when ``exact`` is off)."""
-        return self.regime.cap if self.settings.exact else None
+        return self.regime.cap if self.settings.exact and self.regime is not None else None
 
     def eval(self) -> LlamaModel:
         return self
@@ -258,16 +288,20 @@ class _Row:
     seq: int
     length: int = 0  # positions in the memory
     opening: tuple[int, np.ndarray] | None = None  # (last prompt token, its logits [V]): in memory, not yet scored
+    columns: list[bool] = field(default_factory=list)  # the latest input columns: whether each appended a token
 
 
 class LlamaCache:
-    """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module)."""
+    """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module).
+
+    Each row remembers which of the latest input columns appended a token to it (``_Row.columns``, the last
+    ``HISTORY`` at least), so that ``rollback(num_kept, num_new)`` means what it means for ``CachedLM``: of the
+    last ``num_new`` columns, over however many forward passes, row b keeps the first ``num_kept[b]``."""
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
         self.device = model.device
         self.rows: list[_Row] = []
-        self._last_new: list[int] = []  # tokens each row appended in the last forward
 
     @property
     def batch_size(self) -> int:
@@ -292,64 +326,111 @@ class LlamaCache:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
+    def room(self) -> Room | None:
+        """How many more tokens the memory takes now, beside what every cache of this model holds (a row's
+        opening token is in it already, so it counts as room); None with a KV stream per row, whose ``n_ctx``
+        cells hold any request validated against ``n_ctx``."""
+        if self.model.settings.streams:
+            return None
+        with self.model.lock:
+            context = self.model.context
+            free = context.cells - context.used_cells() + sum(row.opening is not None for row in self.rows)
+            return Room(free, context.full_memory())
+
     def prefill(self, prompts: list[list[int]]) -> bool:
         """Fresh rows: evaluate each whole prompt as llama.cpp's generation loop does (one row per call,
         ``n_batch`` tokens at a time). The last token's logits are kept for the row's first scoring pass, which
-        opens with that token (the ``CachedLM`` contract appends every token but the last here)."""
+        opens with that token (the ``CachedLM`` contract appends every token but the last here). If a call
+        fails, every row of this prefill is fresh again."""
         with self.model.lock:
-            for row, prompt in zip(self.rows, prompts):
-                if row.length or row.opening is not None:
-                    raise RuntimeError("prefill is for fresh rows only")
-                if len(prompt) > 1:
-                    logits = self.model.context.prompt_logits(prompt, row.seq)
-                    row.length, row.opening = len(prompt) - 1, (prompt[-1], logits)
+            try:
+                for row, prompt in zip(self.rows, prompts):
+                    if row.length or row.opening is not None:
+                        raise RuntimeError("prefill is for fresh rows only")
+                    if len(prompt) > 1:
+                        logits = self.model.context.prompt_logits(prompt, row.seq)
+                        row.length, row.opening = len(prompt) - 1, (prompt[-1], logits)
+            except BaseException:
+                for row in self.rows:
+                    self.model.context.remove(row.seq, -1, -1)
+                    row.length, row.opening = 0, None
+                raise
         return any(len(p) > 1 for p in prompts)
 
     def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
                 num_logits: int | None = None) -> torch.Tensor:
         """Append each row's unmasked tokens (positions continue the row's own) and return float32 logits
-        ``[B, num_logits or n, V]`` (zeros at masked columns). Scoring passes are cut to ``model.pass_cap``."""
+        ``[B, num_logits or n, V]`` (zeros at masked columns); llama.cpp computes logits for those columns only.
+        Scoring passes are cut to ``model.pass_cap``. If a call fails (``CacheFullError``: no KV cells left), the
+        cache is as it was before: the tokens earlier calls of this pass appended are removed again."""
         ids, mask = input_ids.tolist(), input_mask.tolist()  # [B, n]
         n = len(ids[0]) if ids else 0
-        logits = np.zeros((len(self.rows), n, self.model.n_vocab), dtype=np.float32)  # [B, n, V]
+        first_out = n - min(num_logits, n) if num_logits else 0  # the first column whose logits are returned
+        logits = np.zeros((len(self.rows), n - first_out, self.model.n_vocab), dtype=np.float32)  # [B, n', V]
         work: list[tuple[int, int, int, int]] = []  # (row, column, token, position) of the scoring passes
         with self.model.lock:
             context = self.model.context
-            self._last_new = [0] * len(self.rows)
+            before = [(row.length, row.opening) for row in self.rows]
+            try:
+                for b, row in enumerate(self.rows):
+                    columns = [j for j in range(n) if mask[b][j]]
+                    if row.opening is not None and columns:  # evaluated with the prompt, as llama.cpp does
+                        token, opening_logits = row.opening
+                        first = columns.pop(0)
+                        if ids[b][first] != token:
+                            raise ValueError(f"row {b} opens with token {ids[b][first]}, "
+                                             f"but its prompt ends with {token}")
+                        if first >= first_out:
+                            logits[b, first - first_out] = opening_logits
+                        row.opening = None
+                        row.length += 1
+                    for j in columns:
+                        work.append((b, j, ids[b][j], row.length))
+                        row.length += 1
+                step = min(self.model.pass_cap or context.capacity, context.capacity)
+                for start in range(0, len(work), step):
+                    chunk = work[start:start + step]
+                    outputs = [j >= first_out for _, j, _, _ in chunk]
+                    out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
+                                         [self.rows[w[0]].seq for w in chunk], outputs)
+                    for (b, j, _, _), row_logits in zip([w for w, kept in zip(chunk, outputs) if kept], out):
+                        logits[b, j - first_out] = row_logits
+            except BaseException:
+                self._restore(before)
+                raise
             for b, row in enumerate(self.rows):
-                columns = [j for j in range(n) if mask[b][j]]
-                self._last_new[b] = len(columns)
-                if row.opening is not None and columns:  # evaluated with the prompt, as llama.cpp does
-                    token, opening_logits = row.opening
-                    first = columns.pop(0)
-                    if ids[b][first] != token:
-                        raise ValueError(f"row {b} opens with token {ids[b][first]}, but its prompt ends with {token}")
-                    logits[b, first], row.opening = opening_logits, None
-                    row.length += 1
-                for j in columns:
-                    work.append((b, j, ids[b][j], row.length))
-                    row.length += 1
-            step = min(self.model.pass_cap or context.capacity, context.capacity)
-            for start in range(0, len(work), step):
-                chunk = work[start:start + step]
-                out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
-                                     [self.rows[w[0]].seq for w in chunk], [True] * len(chunk))
-                for (b, j, _, _), row_logits in zip(chunk, out):
-                    logits[b, j] = row_logits
-        result = torch.from_numpy(logits)
-        return result if num_logits is None else result[:, -num_logits:]
+                row.columns += mask[b]
+                if len(row.columns) > 2 * HISTORY:
+                    del row.columns[:-HISTORY]
+        return torch.from_numpy(logits)
+
+    def _restore(self, before: list[tuple[int, tuple[int, np.ndarray] | None]]) -> None:
+        """Undo a failed forward: each row's ``(length, opening)`` before it, and nothing after in the memory
+        (whether an earlier call of the pass or a failing one left it there)."""
+        for row, (length, opening) in zip(self.rows, before):
+            self.model.context.remove(row.seq, length + (opening is not None), -1)
+            row.length, row.opening = length, opening
 
     def rollback(self, num_kept: list[int], num_new: int) -> None:
-        """Of the last forward's ``num_new`` tokens, keep the first ``num_kept[b]`` for row b."""
+        """Of the last ``num_new`` input columns, keep the first ``num_kept[b]`` for row b: its tokens of the
+        others leave the memory. The columns no row kept are forgotten (as ``CachedLM`` crops them)."""
         if num_new == 0:
             return
+        remembered = min((len(row.columns) for row in self.rows), default=num_new)
+        if num_new > remembered:
+            raise ValueError(f"rollback of {num_new} columns, but the cache remembers {remembered}")
         with self.model.lock:
-            for row, kept, added in zip(self.rows, num_kept, self._last_new):
-                drop = added - min(kept, added)
+            for row, kept in zip(self.rows, num_kept):
+                tail = row.columns[len(row.columns) - num_new:]
+                drop = sum(tail[kept:])  # this row's tokens among the rejected columns: its last ones
                 if drop > 0:
                     row.length -= drop
                     self.model.context.remove(row.seq, row.length, -1)
-            self._last_new = [min(k, a) for k, a in zip(num_kept, self._last_new)]
+                row.columns[len(row.columns) - num_new + kept:] = [False] * len(tail[kept:])
+            unused = num_new - max(num_kept, default=0)
+            if unused > 0:
+                for row in self.rows:
+                    del row.columns[len(row.columns) - unused:]
 
     def append_holes(self, num_slots: int) -> None:
         """Nothing to do: positions, not slots, place a row's tokens here."""
@@ -357,25 +438,31 @@ class LlamaCache:
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only ``rows`` (indices into the batch); the others' sequences are freed."""
         keep = [int(r) for r in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
-        dropped = [row.seq for b, row in enumerate(self.rows) if b not in set(keep)]
+        kept = set(keep)
+        dropped = [row.seq for b, row in enumerate(self.rows) if b not in kept]
         self.rows = [self.rows[b] for b in keep]
-        self._last_new = [self._last_new[b] for b in keep] if self._last_new else []
         if dropped:
             self.model._release(dropped)
 
     def append_rows(self, other: LlamaCache) -> None:
-        """Take over ``other``'s rows (same model), which leaves it empty."""
+        """Take over ``other``'s rows (same model), which leaves it empty. The shorter column histories are
+        padded at the front with columns that appended nothing (as ``CachedLM`` left-pads with holes)."""
         if other.model is not self.model:
             raise ValueError("append_rows needs caches of one LlamaModel")
-        self._last_new = (self._last_new or [0] * len(self.rows)) + (other._last_new or [0] * len(other.rows))
         self.rows += other.rows
-        other.rows, other._last_new = [], []
+        other.rows = []
+        width = max((len(row.columns) for row in self.rows), default=0)
+        for row in self.rows:
+            if len(row.columns) < width:
+                row.columns[:0] = [False] * (width - len(row.columns))
 
 
 def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
     """Measure the largest pass whose logits equal one-token decoding bitwise (on a context of its own): after
     the same 24-token prompt, a block of n tokens in one call vs the same tokens one at a time, for n = 1, 2, ...
-    up to the first that differs (or ``max_rows``); then whether two sequences in one pass score as each alone."""
+    up to the first that differs (or ``max_rows``, at most ``n_batch``: no pass is wider); then whether two
+    sequences in one pass score as each alone."""
+    max_rows = min(max_rows, model.settings.n_batch)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, model.n_vocab, size=24 + max_rows).tolist()
     prompt, block = tokens[:24], tokens[24:]
@@ -425,12 +512,11 @@ def greedy_reference(model: LlamaModel, prompt: Sequence[int], max_new_tokens: i
     return output
 
 
-def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progress=None):
-    """``(LlamaModel, tokenizer)`` for a GGUF named by a zoo name, a ``.gguf`` file or a folder holding one. The
-    tokenizer is the Hugging Face one converted from the GGUF's vocabulary (what the torch path uses), so
-    drafters, chat templates and detokenising work unchanged. ``ValueError`` for a model that is no GGUF,
-    ``ImportError`` when llama-cpp-python is missing."""
-    from .integrity import say
+def gguf_with_tokenizer(name_or_path: str, progress=None):
+    """``(GGUF file, tokenizer)`` for a zoo name, a ``.gguf`` file or a folder holding one. The tokenizer is the
+    Hugging Face one converted from the GGUF's vocabulary (what the torch path uses), so drafters, chat templates
+    and detokenising work unchanged. ``ValueError`` for a model that is no GGUF, ``ImportError`` when
+    llama-cpp-python is missing."""
     from .sources import gguf_source, gguf_tokenizer
     from .zoo import cache_root
 
@@ -442,7 +528,14 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
         raise ValueError(f"backend 'llama.cpp' runs GGUF models only; {name_or_path!r} is not one "
                          "(a zoo name, a .gguf file or a folder holding one); use backend='torch'")
     path, sha256 = source
-    tokenizer = gguf_tokenizer(path, sha256, cache_root(), progress)
+    return path, gguf_tokenizer(path, sha256, cache_root(), progress)
+
+
+def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progress=None):
+    """``(LlamaModel, tokenizer)`` for a GGUF target (see ``gguf_with_tokenizer``), its regime probed."""
+    from .integrity import say
+
+    path, tokenizer = gguf_with_tokenizer(name_or_path, progress)
     settings = settings or LlamaSettings()
     say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
                   f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, n_ctx {settings.n_ctx})")
@@ -450,3 +543,20 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
     say(progress, f"llama.cpp: passes of up to {model.regime.cap} tokens score as one-token decoding, bitwise "
                   f"(probed); {'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
     return model, tokenizer
+
+
+def draft_settings(target: LlamaSettings) -> LlamaSettings:
+    """How a draft runs beside a llama.cpp target: the target's memory layout (``n_ctx``, ``n_seq_max``,
+    ``streams``: it holds the same rows, never more tokens per row) and threads, with llama.cpp's fast defaults
+    (weight repacking on) and passes uncut, since the target verifies every token a draft proposes."""
+    return replace(target, repack=True, exact=False)
+
+
+def load_llama_draft(path: str | os.PathLike, target: LlamaSettings, progress=None) -> LlamaModel:
+    """A GGUF draft model on llama.cpp with ``draft_settings(target)`` (no regime probe: it need not be exact)."""
+    from .integrity import say
+
+    settings = draft_settings(target)
+    say(progress, f"loading {Path(path).name} on llama.cpp for the draft (repack on, passes not cut: the target "
+                  f"verifies every token; {settings.threads()} threads, n_ctx {settings.n_ctx})")
+    return LlamaModel(path, settings, probe=False)

@@ -360,18 +360,17 @@ class Engine:
                 row.generator.set_state(saved[1])  # the failed step's uniforms are drawn again
             try:
                 with self._resumed_batch([row]) as solo:
-                    finished += solo.step()
+                    if solo.rows:  # not ended by the batch itself (a target memory that cannot take it)
+                        solo.step()
             except Exception as own:  # noqa: BLE001 - this row causes the failure
                 log.error("engine row %d (group %s) ends with an internal error", row.key, self._group_of(row),
                           exc_info=own)
                 row.fail(INTERNAL_ERROR)
-                finished.append(row)
-                continue
-            if row.reason is None:
-                survivors.append(row)
+            (survivors if row.reason is None else finished).append(row)
         if survivors:
             try:
                 self._batch = self._resumed_batch(survivors)
+                finished += [row for row in survivors if row.reason is not None]  # the memory took not all
             except Exception:  # noqa: BLE001 - each row stepped alone, but not together: none can go on
                 log.exception("the rows that stepped alone cannot join a new batch (groups %s)",
                               sorted({str(self._group_of(row)) for row in survivors}))
