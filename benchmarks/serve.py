@@ -198,6 +198,7 @@ def free_draft_decoder(speculative: SpeculativeDecoder, name: str, tokenizer) ->
 def markdown(results: dict) -> str:
     lines = [
         "# Serving benchmark (`benchmarks/serve.py`)", "",
+        f"Prompts: `{results.get('prompts', 'prompts.json')}`.", "",
         f"Target `{results['target']}`, draft `{results['draft']}`, greedy, {results['max_tokens']} tokens per "
         f"request, streamed; {results['requests_per_client']} requests per client; {results['repeats']} repeats per "
         f"mode and level (A B B A); target backend: {results.get('backend', 'torch')}; machine: {results['machine']}.",
@@ -212,7 +213,8 @@ def markdown(results: dict) -> str:
             r = level[mode]
             lat, ttft, tpot = r["latency_s"], r["ttft_s"], r["tpot_s"]
             acceptance = "-" if r.get("acceptance_rate") is None else f"{r['acceptance_rate']:.2f}"
-            label = {"speculative": f"speculative ({results['draft']})"}.get(mode, mode.replace(":", " (") + ")"
+            name = results["draft"] if mode == "speculative" else mode.partition(":")[2]
+            label = f"speculative ({name})"
             label = "target alone" if mode == "target_alone" else label
             lines.append(
                 f"| {label} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
@@ -276,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=2, help="runs per mode and level, in A B B A order")
     parser.add_argument("--max-batch-size", type=int, default=32, help="as verispec serve's default")
-    parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")))
+    parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")),
+                        help="a JSON list of {text}, or 'repetitive': suffix/bench.py's workload in the chat template")
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts (smoke runs)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "torch"],
@@ -295,16 +298,23 @@ def main(argv: list[str] | None = None) -> int:
         plot(results, out / "serve.png")
         return 0
 
-    prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text())][: args.limit]  # every kind, as raw text
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                                     dtype="float32", device=args.device, fast=True, backend=args.backend)
     speculative, tokenizer = build_decoder(model_args, log)
+    if args.prompts == "repetitive":  # suffix/bench.py's edits, loops and second turns, in the target's template
+        sys.path.insert(0, str(Path(__file__).parent / "suffix"))
+        from bench import repetitive_prompts  # noqa: E402
+
+        prompts = [tokenizer.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
+                   for p in repetitive_prompts()][: args.limit]
+    else:
+        prompts = [p["text"] for p in json.loads(Path(args.prompts).read_text())][: args.limit]  # every kind, raw
     alone = SpeculativeDecoder(speculative.target_model, None, vocab_size=speculative.vocab_size)  # shared weights
     eos = eos_token_ids(tokenizer, speculative.target_model)
     max_context = speculative.max_positions or 4096
     results = {"target": args.target, "draft": args.draft, "max_tokens": args.max_tokens,
                "requests_per_client": args.requests_per_client, "repeats": args.repeats, "command": " ".join(sys.argv),
-               "also_drafts": [d for d in args.also_drafts.split(",") if d],
+               "also_drafts": [d for d in args.also_drafts.split(",") if d], "prompts": Path(args.prompts).name,
                "backend": "torch" if isinstance(speculative.target_model, torch.nn.Module) else "llama.cpp",
                "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
                "levels": []}

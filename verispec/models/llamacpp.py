@@ -45,6 +45,13 @@ from .cache import CacheFullError, Room
 LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: build it with `CMAKE_ARGS=\"$(.ci/llama_cmake_args)\" "
                      "pip install llama-cpp-python==0.3.36` (docs/llamacpp.md), or use backend='torch'")
 PROBE_MAX_ROWS = 16  # the widest pass the regime probe tries
+# Cached tokens before the probe's block. ggml's flash attention takes another path for a single query once the
+# KV window (padded to 256 cells) reaches 512: it splits the keys across threads and merges the parts, so with
+# more than one thread a one-token pass sums in another order than a pass of several tokens, beyond 255 cached
+# tokens only (measured on the 1.5B Q4_K_M, Zen 4, 2 threads: passes of 2-3 tokens bitwise equal up to 255,
+# ~0.4 apart from 256 on; with 1 thread equal at every depth). So the probe looks at a short and a long context.
+PROBE_DEPTHS = (24, 300)
+PROBE_CONTEXT = 1024  # cells of a probe's context: a window past 512 must be possible
 HISTORY = 1024  # input columns a cache remembers for rollback (a rollback reaches at most this far back)
 
 
@@ -97,12 +104,14 @@ class LlamaSettings:
 @dataclass(frozen=True)
 class Regime:
     """The probed batch-invariance regime: ``cap`` is the largest pass (tokens, any rows) whose logits equal
-    one-token decoding bitwise; ``diffs[n-1]`` the max |logit difference| of a pass of n tokens (until the
-    first that differs); ``rows_independent``: two sequences in one pass score as each alone, bitwise."""
+    one-token decoding bitwise at every probed depth; ``diffs[n-1]`` the max |logit difference| of a pass of n
+    tokens at the depth that set the cap (until the first that differs); ``rows_independent``: two sequences in
+    one pass score as each alone, bitwise."""
 
     cap: int
     diffs: tuple[float, ...]
     rows_independent: bool
+    reason: str = ""  # why the cap is what it is, for the load message
 
 
 class _Context:
@@ -457,39 +466,67 @@ class LlamaCache:
                 row.columns[:0] = [False] * (width - len(row.columns))
 
 
+def _largest_invariant_pass(model: LlamaModel, depth: int, max_rows: int, rng: np.random.Generator,
+                            ) -> tuple[int, list[float]]:
+    """After a ``depth``-token prompt: a block of n tokens in one call vs the same tokens one at a time, for
+    n = 1, 2, ... up to the first that differs (or ``max_rows``); (the largest equal n, the max differences)."""
+    tokens = rng.integers(0, model.n_vocab, size=depth + max_rows).tolist()
+    prompt, block = tokens[:depth], tokens[depth:]
+    context = _Context(model, max(depth + max_rows + 16, PROBE_CONTEXT), 1)  # the KV window can reach 512
+    try:
+        context.prompt_logits(prompt, 0)
+        single = np.stack([context.decode([t], [depth + i], [0], [True])[0] for i, t in enumerate(block)])
+        diffs = []
+        for n in range(1, max_rows + 1):
+            context.remove(0, depth, -1)
+            out = context.decode(block[:n], range(depth, depth + n), [0] * n, [True] * n)
+            diffs.append(float(np.abs(out - single[:n]).max()))
+            if diffs[-1] != 0.0:
+                return n - 1, diffs
+        return max_rows, diffs
+    finally:
+        context.close()
+
+
 def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
-    """Measure the largest pass whose logits equal one-token decoding bitwise (on a context of its own): after
-    the same 24-token prompt, a block of n tokens in one call vs the same tokens one at a time, for n = 1, 2, ...
-    up to the first that differs (or ``max_rows``, at most ``n_batch``: no pass is wider); then whether two
-    sequences in one pass score as each alone."""
+    """Measure the largest pass whose logits equal one-token decoding bitwise (on contexts of their own), at
+    each of ``PROBE_DEPTHS`` cached tokens (``_largest_invariant_pass``; a row's context grows past all of them);
+    the smallest is the cap. Then whether two sequences in one pass score as each alone."""
     max_rows = min(max_rows, model.settings.n_batch)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, model.n_vocab, size=24 + max_rows).tolist()
-    prompt, block = tokens[:24], tokens[24:]
+    cap, diffs = max_rows, ()
+    for depth in PROBE_DEPTHS:
+        if model.n_ctx_train and max(depth + max_rows + 16, PROBE_CONTEXT) > model.n_ctx_train:
+            continue
+        with model.lock:
+            found, seen = _largest_invariant_pass(model, depth, max_rows, rng)
+        if found < cap or not diffs:
+            cap, diffs = min(cap, found), tuple(seen)
+    tokens = rng.integers(0, model.n_vocab, size=26).tolist()
+    prompt = tokens[:24]
     with model.lock:
-        context = _Context(model, 2 * (24 + max_rows) + 16, 2)
-        try:
+        context = _Context(model, 2 * 26 + 16, 2)
+        try:  # two rows (sequences 0 and 1, the same prompt) in one pass of 2 tokens vs each row alone
             context.prompt_logits(prompt, 0)
-            single = np.stack([context.decode([t], [24 + i], [0], [True])[0] for i, t in enumerate(block)])
-            diffs, cap = [], max_rows
-            for n in range(1, max_rows + 1):
-                context.remove(0, 24, -1)
-                out = context.decode(block[:n], range(24, 24 + n), [0] * n, [True] * n)
-                diffs.append(float(np.abs(out - single[:n]).max()))
-                if diffs[-1] != 0.0:
-                    cap = n - 1
-                    break
-            # Two rows (sequences 0 and 1, the same prompt) in one pass of 2 tokens vs each row alone.
+            first = context.decode([tokens[24]], [24], [0], [True])[0]
             context.remove(0, 24, -1)
             context.prompt_logits(prompt, 1)
-            pair = context.decode([block[0], block[1]], [24, 24], [0, 1], [True, True])
+            pair = context.decode([tokens[24], tokens[25]], [24, 24], [0, 1], [True, True])
             context.remove(0, 24, -1)
             context.remove(1, 24, -1)
-            alone = context.decode([block[1]], [24], [1], [True])[0]
-            independent = bool(np.array_equal(pair[0], single[0]) and np.array_equal(pair[1], alone))
+            alone = context.decode([tokens[25]], [24], [1], [True])[0]
+            independent = bool(np.array_equal(pair[0], first) and np.array_equal(pair[1], alone))
         finally:
             context.close()
-    return Regime(max(cap, 1), tuple(diffs), independent)
+    reason = f"passes of up to {max(cap, 1)} tokens equal one-token decoding bitwise (probed)"
+    if model.settings.flash_attn and model.settings.threads() > 1 and cap > 1:
+        # Past 255 cached tokens a one-token pass takes the split-key path on these threads (see PROBE_DEPTHS):
+        # a multi-token pass then equals it only by chance (the probe's depths may be lucky), so no pass is wider
+        # than one token, and drafts buy nothing here; one thread keeps the probed cap at every depth.
+        reason = (f"{model.settings.threads()} threads: one-token passes past 255 cached tokens split the keys "
+                  f"across threads, so only one-token passes equal them (1 thread: probed passes of up to {cap})")
+        cap = 1
+    return Regime(max(cap, 1), diffs, independent, reason)
 
 
 def greedy_reference(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,
@@ -540,8 +577,8 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
     say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
                   f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, n_ctx {settings.n_ctx})")
     model = LlamaModel(path, settings)
-    say(progress, f"llama.cpp: passes of up to {model.regime.cap} tokens score as one-token decoding, bitwise "
-                  f"(probed); {'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
+    say(progress, f"llama.cpp: {model.regime.reason}; "
+                  f"{'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
     return model, tokenizer
 
 
