@@ -94,6 +94,7 @@ def test_prompt_from_stdin(models, capsys, monkeypatch) -> None:
         (["--num-draft-tokens", "many"], "--num-draft-tokens"),
         (["--num-draft-tokens", "-1"], "num_draft_tokens"),
         (["--temperature", "-1"], "temperature"),
+        (["--llama-threads", "0"], "--llama-threads"),
     ],
 )
 def test_errors_are_one_line_without_traceback(models, capsys, argv, message) -> None:
@@ -181,3 +182,13 @@ def test_demo_labels_its_texts_on_stdout(models, capsys) -> None:
     summary = json.loads(sections["=== summary ==="])
     assert summary["identical_output"] is True and 1 <= summary["tokens"] <= 6
     assert "===" not in err  # the labels are not (also) on stderr
+
+
+def test_llama_threads_flag_becomes_the_backends_settings() -> None:
+    """``--llama-threads N`` reaches ``verispec.load`` as ``LlamaSettings(n_threads=N)``; absent, the defaults."""
+    from verispec.cli.common import llama_settings
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--llama-threads", "1"])
+    assert llama_settings(args).n_threads == 1
+    assert llama_settings(parser.parse_args(["generate", "--prompt", "x"])) is None

@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--general", type=int, default=4, help="prompts of benchmarks/prompts.json")
+    parser.add_argument("--backend", default="torch", choices=["torch", "llama.cpp", "auto"],
+                        help="what runs the pair (the issue's goals are on the torch path; 'auto' picks llama.cpp "
+                             "for the zoo's GGUF files)")
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--replot", metavar="JSON", nargs="+",
                         help="only rebuild the table and plot from runs' JSON (the completed repeats of each, "
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         return finish(merge([json.loads(Path(path).read_text()) for path in args.replot]), out)
 
     decoder, tokenizer = verispec.load(args.target, args.draft, draft_quant="int4", num_draft_tokens="auto",
-                                       progress=log)
+                                       progress=log, backend=args.backend)
     draft_model = decoder.drafter.model
     eos = verispec.eos_token_ids(tokenizer, decoder.target_model)
     general = json.loads((HERE.parent / "prompts.json").read_text())[: args.general]

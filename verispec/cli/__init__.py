@@ -46,6 +46,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
                         help="what runs the target: llama.cpp (a GGUF on llama.cpp's CPU kernels), torch, or auto "
                              "(default: llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed)")
+    parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
+                        help="threads for llama.cpp's kernels (default: every CPU this process may use; 1 lets drafts "
+                             "be verified exactly in passes of several tokens, docs/llamacpp.md)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",

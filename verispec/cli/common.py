@@ -32,9 +32,22 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
                     draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
                     cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
                     stop_drafting=getattr(args, "stop_drafting", True), calibrate=getattr(args, "calibrate", True),
-                    backend=getattr(args, "backend", "auto"), **suffix_options(args))
+                    backend=getattr(args, "backend", "auto"), llama_settings=llama_settings(args),
+                    **suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
+
+
+def llama_settings(args: argparse.Namespace):
+    """``LlamaSettings`` from ``--llama-threads`` (None: the backend's defaults)."""
+    threads = getattr(args, "llama_threads", None)
+    if threads is None:
+        return None
+    if threads < 1:
+        raise CliError(f"--llama-threads must be at least 1, got {threads}")
+    from ..models.llamacpp import LlamaSettings
+
+    return LlamaSettings(n_threads=threads)
 
 
 def suffix_options(args: argparse.Namespace) -> dict:
