@@ -1,0 +1,265 @@
+"""llama.cpp's binding at the level of one context: settings, a ``llama_context`` with its batch (``_Context``),
+and what runs on contexts of its own: the load-time regime probe and llama.cpp's plain greedy loop.
+
+Exactness. llama.cpp's CPU matrix products take different code paths by the number of rows in a pass, so a
+block of k+1 tokens can round differently from one-token decoding (measured: passes of 1-3 rows agree bitwise
+with weight repacking on, 1-7 with repacking off and flash attention on), and with more than one thread its flash
+attention computes a single query past 255 cached tokens in another order (``PROBE_DEPTHS``). ``probe_regime``
+measures, once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build,
+CPU and thread count; ``llamacpp.LlamaCache`` cuts every scoring pass into calls of at most that many tokens.
+``greedy_reference`` is llama.cpp's plain greedy loop, the reference the backend's greedy output equals.
+
+llama-cpp-python is imported only when a context is made, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cache import CacheFullError
+
+# A model here is a ``llamacpp.LlamaModel`` (its weights, settings, lock and vocabulary), typed ``LlamaModel``
+# below; that module imports this one, so the name is not imported back.
+LlamaModel = Any
+
+LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: build it with `CMAKE_ARGS=\"$(.ci/llama_cmake_args)\" "
+                     "pip install llama-cpp-python==0.3.36` (docs/llamacpp.md), or use backend='torch'")
+PROBE_MAX_ROWS = 16  # the widest pass the regime probe tries
+# Cached tokens before the probe's block. ggml's flash attention takes another path for a single query once the
+# KV window (padded to 256 cells) reaches 512: it splits the keys across threads and merges the parts, so with
+# more than one thread a one-token pass sums in another order than a pass of several tokens, beyond 255 cached
+# tokens only (measured on the 1.5B Q4_K_M, Zen 4, 2 threads: passes of 2-3 tokens bitwise equal up to 255,
+# ~0.4 apart from 256 on; with 1 thread equal at every depth). So the probe looks at a short and a long context.
+PROBE_DEPTHS = (24, 300)
+PROBE_CONTEXT = 1024  # cells of a probe's context: a window past 512 must be possible
+
+
+def llama_cpp_unavailable() -> str | None:
+    """Why the llama.cpp backend cannot run here (one line), or None."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return LLAMA_CPP_MISSING
+    except OSError as error:  # the shared library failed to load
+        return f"llama-cpp-python is installed but its library does not load: {error}"
+    return None
+
+
+def _lib():
+    import llama_cpp
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(False)  # llama.cpp's errors only, not its loading chatter
+    return llama_cpp
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking, llama.cpp's own default (one-token
+    passes ~1.15-1.3x faster on K-quants; only passes of <= 3 rows are batch-invariant, against <= 7 without it,
+    but a scoring pass costs ~0.6 of a one-token pass per extra token either way on a CPU, so the longer exact
+    drafts buy no more: ``benchmarks/llamacpp/pass_cost.py``); ``flash_attn``: flash attention (off, the
+    attention is batch-variant from 2 rows); ``n_ctx``: KV cells shared by all rows (a row may use them all);
+    ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size; ``streams``: a
+    KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the memory) instead of one memory
+    shared by all rows. Flash attention sums a row's keys in the order of their cells: in a shared memory a row's
+    new token can land in a cell another row's rollback freed, before its older keys, which changes the last bits
+    of its logits (a single row, or ``streams``, keeps every row's cells in position order: bitwise llama.cpp's
+    plain decoding)."""
+
+    n_ctx: int = 4096
+    n_threads: int | None = None  # None: the CPUs this process may run on
+    repack: bool = True
+    flash_attn: bool = True
+    n_seq_max: int = 64
+    n_batch: int = 512
+    exact: bool = True
+    streams: bool = False
+
+    def threads(self) -> int:
+        return self.n_threads or len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class Regime:
+    """The probed batch-invariance regime: ``cap`` is the largest pass (tokens, any rows) whose logits equal
+    one-token decoding bitwise at every probed depth; ``diffs[n-1]`` the max |logit difference| of a pass of n
+    tokens at the depth that set the cap (until the first that differs); ``rows_independent``: two sequences in
+    one pass score as each alone, bitwise."""
+
+    cap: int
+    diffs: tuple[float, ...]
+    rows_independent: bool
+    reason: str = ""  # why the cap is what it is, for the load message
+
+
+class _Context:
+    """One ``llama_context`` and a reusable ``llama_batch``; not thread-safe (callers hold the model lock)."""
+
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, unified: bool = True) -> None:
+        lib, s = _lib(), model.settings
+        params = lib.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n_ctx, n_seq_max
+        params.n_batch = params.n_ubatch = s.n_batch
+        params.n_threads = params.n_threads_batch = s.threads()
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        params.kv_unified = unified
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(model.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_seq_max={n_seq_max})")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_vocab = model.n_vocab
+        self.capacity = s.n_batch
+        self.batch = lib.llama_batch_init(self.capacity, 0, 1)
+        self.n_seq_max, self.unified = n_seq_max, unified
+        self.cells = int(lib.llama_n_ctx_seq(self.ctx))  # KV cells of the memory (of each row's stream, unified off)
+        self.n_ctx = s.n_ctx
+
+    def full_memory(self) -> str:
+        """What the memory holds, for the error that says it is full."""
+        if self.unified:
+            return f"llama.cpp's KV memory ({self.cells} cells for n_ctx={self.n_ctx}, shared by every row in flight)"
+        return f"llama.cpp's KV memory ({self.cells} cells per row's stream, n_ctx={self.n_ctx})"
+
+    def used_cells(self) -> int:
+        """Cells holding a token, over all sequences (a sequence holds positions 0..max, one cell each)."""
+        lib = _lib()
+        return sum(int(lib.llama_memory_seq_pos_max(self.memory, seq)) + 1 for seq in range(self.n_seq_max))
+
+    def close(self) -> None:
+        lib = _lib()
+        if self.ctx:
+            lib.llama_batch_free(self.batch)
+            lib.llama_free(self.ctx)
+            self.ctx = None
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+               outputs: Sequence[bool]) -> np.ndarray:
+        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order. ``CacheFullError`` when
+        the memory has no cells for the tokens (llama.cpp then restores the memory as it was); ``RuntimeError``
+        for any other failure (the ubatches processed before it stay in the memory: the caller removes them)."""
+        lib, batch, n = _lib(), self.batch, len(tokens)
+        assert 0 < n <= self.capacity
+        for i in range(n):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tokens[i], positions[i], 1
+            batch.seq_id[i][0], batch.logits[i] = seqs[i], bool(outputs[i])
+        batch.n_tokens = n
+        status = lib.llama_decode(self.ctx, batch)
+        if status == 1:
+            raise CacheFullError(f"{self.full_memory()} is full: send fewer rows or tokens at once, or load with a "
+                                 "larger n_ctx")
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+        count = sum(map(bool, outputs))
+        if count == 0:
+            return np.zeros((0, self.n_vocab), dtype=np.float32)
+        pointer = lib.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(pointer, shape=(count, self.n_vocab)).copy()
+
+    def remove(self, seq: int, start: int, end: int = -1) -> None:
+        """Drop positions ``[start, end)`` of ``seq`` (``-1``: open-ended)."""
+        _lib().llama_memory_seq_rm(self.memory, seq, start, end)
+
+    def prompt_logits(self, tokens: Sequence[int], seq: int, first_position: int = 0) -> np.ndarray:
+        """Evaluate one row's tokens as llama.cpp's generation loop does (``n_batch`` at a time); logits of the
+        last ``[V]``."""
+        logits = None
+        for start in range(0, len(tokens), self.capacity):
+            chunk = tokens[start:start + self.capacity]
+            last = start + len(chunk) == len(tokens)
+            outputs = [last and i == len(chunk) - 1 for i in range(len(chunk))]
+            logits = self.decode(chunk, range(first_position + start, first_position + start + len(chunk)),
+                                 [seq] * len(chunk), outputs)
+        return logits[-1]
+
+
+def _largest_invariant_pass(model: LlamaModel, depth: int, max_rows: int, rng: np.random.Generator,
+                            ) -> tuple[int, list[float]]:
+    """After a ``depth``-token prompt: a block of n tokens in one call vs the same tokens one at a time, for
+    n = 1, 2, ... up to the first that differs (or ``max_rows``); (the largest equal n, the max differences)."""
+    tokens = rng.integers(0, model.n_vocab, size=depth + max_rows).tolist()
+    prompt, block = tokens[:depth], tokens[depth:]
+    context = _Context(model, max(depth + max_rows + 16, PROBE_CONTEXT), 1)  # the KV window can reach 512
+    try:
+        context.prompt_logits(prompt, 0)
+        single = np.stack([context.decode([t], [depth + i], [0], [True])[0] for i, t in enumerate(block)])
+        diffs = []
+        for n in range(1, max_rows + 1):
+            context.remove(0, depth, -1)
+            out = context.decode(block[:n], range(depth, depth + n), [0] * n, [True] * n)
+            diffs.append(float(np.abs(out - single[:n]).max()))
+            if diffs[-1] != 0.0:
+                return n - 1, diffs
+        return max_rows, diffs
+    finally:
+        context.close()
+
+
+def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
+    """Measure the largest pass whose logits equal one-token decoding bitwise (on contexts of their own), at
+    each of ``PROBE_DEPTHS`` cached tokens (``_largest_invariant_pass``; a row's context grows past all of them);
+    the smallest is the cap. With more than one thread and flash attention the cap is 1 whatever a probe finds
+    past 255 tokens (``PROBE_DEPTHS`` says why), so only the short context is measured, for the load message.
+    Then whether two sequences in one pass score as each alone."""
+    max_rows = min(max_rows, model.settings.n_batch)
+    split_keys = model.settings.flash_attn and model.settings.threads() > 1
+    rng = np.random.default_rng(0)
+    found = []  # (largest invariant pass, its differences) per depth measured
+    for depth in PROBE_DEPTHS[:1] if split_keys else PROBE_DEPTHS:
+        if model.n_ctx_train and max(depth + max_rows + 16, PROBE_CONTEXT) > model.n_ctx_train:
+            continue
+        with model.lock:
+            found.append(_largest_invariant_pass(model, depth, max_rows, rng))
+    cap, diffs = min(found, key=lambda result: result[0], default=(max_rows, []))
+    tokens = rng.integers(0, model.n_vocab, size=26).tolist()
+    prompt = tokens[:24]
+    with model.lock:
+        context = _Context(model, 2 * 26 + 16, 2)
+        try:  # two rows (sequences 0 and 1, the same prompt) in one pass of 2 tokens vs each row alone
+            context.prompt_logits(prompt, 0)
+            first = context.decode([tokens[24]], [24], [0], [True])[0]
+            context.remove(0, 24, -1)
+            context.prompt_logits(prompt, 1)
+            pair = context.decode([tokens[24], tokens[25]], [24, 24], [0, 1], [True, True])
+            context.remove(0, 24, -1)
+            context.remove(1, 24, -1)
+            alone = context.decode([tokens[25]], [24], [1], [True])[0]
+            independent = bool(np.array_equal(pair[0], first) and np.array_equal(pair[1], alone))
+        finally:
+            context.close()
+    reason = f"passes of up to {max(cap, 1)} tokens equal one-token decoding bitwise (probed)"
+    if split_keys and cap > 1:
+        # Past 255 cached tokens a one-token pass takes the split-key path on these threads (see PROBE_DEPTHS):
+        # a multi-token pass then equals it only by chance, so no pass is wider than one token, and drafts buy
+        # nothing here; one thread keeps the probed cap at every depth.
+        reason = (f"{model.settings.threads()} threads: one-token passes past 255 cached tokens split the keys "
+                  f"across threads, so only one-token passes equal them (below 256 cached tokens: passes of up "
+                  f"to {cap})")
+        cap = 1
+    return Regime(max(cap, 1), tuple(diffs), independent, reason)
+
+
+def greedy_reference(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,
+                     eos_ids: Sequence[int] = ()) -> list[int]:
+    """llama.cpp's plain greedy loop (as ``llama-simple``) on a context of its own: the prompt in one call, then
+    one token per call, each the argmax of the last logits. The reference the backend's greedy output equals."""
+    with model.lock:
+        context = _Context(model, len(prompt) + max_new_tokens + 1, 1)
+        try:
+            logits = context.prompt_logits(list(prompt), 0)
+            output: list[int] = []
+            for i in range(max_new_tokens):
+                token = int(np.argmax(logits))
+                output.append(token)
+                if token in eos_ids or i == max_new_tokens - 1:
+                    break
+                logits = context.decode([token], [len(prompt) + i], [0], [True])[0]
+        finally:
+            context.close()
+    return output
