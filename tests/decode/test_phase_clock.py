@@ -1,4 +1,4 @@
-"""Phase timings of a step (``decode/batch.PhaseClock``): with events (CUDA's), read once per step after its host
+"""Phase timings of a step (``decode/clock.PhaseClock``): with events (CUDA's), read once per step after its host
 transfer, never by a synchronisation of their own; without (CPU), the wall clock as each phase ends. The event
 path runs here with stand-in events that keep the CUDA event's interface."""
 
@@ -9,7 +9,7 @@ import time
 from tiny_models import pair, prompt
 
 from verispec import SpeculativeDecoder
-from verispec.decode.batch import PhaseClock
+from verispec.decode.clock import PhaseClock
 
 
 class FakeEvent:

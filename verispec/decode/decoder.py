@@ -34,7 +34,8 @@ from ..models.capability import model_vocab_size, position_limit
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.sources import SourceController
 from ..telemetry import GenerationStats
-from .batch import DecodeBatch, Row, sync
+from .batch import DecodeBatch, Row
+from .clock import sync
 from .requests import ModelLimits, Request, validate_request
 
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
