@@ -18,7 +18,6 @@ import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Self
 
 import torch
@@ -26,63 +25,17 @@ from transformers import PreTrainedModel
 
 from ..core.block import verify_rows
 from ..core.logprobs import TokenLogprob, emitted_logprobs
-from ..core.processors import TokenHistory, process_logits
+from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
 from ..models.cache import Room, host_threads, new_cache
-from ..policy import AcceptanceEstimate, GammaPolicy, RowPlan, SpeculationController, StepRecord
-from ..policy.sources import LOOKUP, MODEL, SourceController, SourceDecision, SourceRow
-from ..telemetry import GenerationStats, SourceCounts, count_source
+from ..policy import RowPlan, SpeculationController, StepRecord
+from ..policy.sources import LOOKUP, SourceController, SourceDecision, SourceRow
+from ..telemetry import GenerationStats, count_source
 from .clock import PhaseClock, sync
-
-
-@dataclass
-class Row:
-    """One sequence being decoded: its settings, its output so far and its telemetry."""
-
-    key: int  # the caller's index for this row (prompt index, or request number)
-    prompt: list[int]
-    sampling: SamplingParams
-    max_new_tokens: int
-    eos_ids: frozenset[int]
-    generator: torch.Generator | None  # None for greedy rows
-    policy: GammaPolicy  # the most drafts this row may make per step
-    estimate: AcceptanceEstimate | None = None  # its request's acceptance (what the controller weighs)
-    lookup_estimate: AcceptanceEstimate | None = None  # ... of a two-source drafter's lookup (policy/sources.py)
-    pinned: bool = False  # drafts its policy's length whatever the controller's cap (timing-free tokens)
-    on_tokens: Callable[[list[int]], None] | None = None
-    verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
-    logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
-    output: list[int] = field(default_factory=TokenHistory)  # keeps its penalty counts as it grows
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
-    reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
-    error: str | None = None  # what went wrong, for reason "error"
-    error_step: int | None = None  # the decode step of non-finite target logits
-    memory_full: bool = False  # ended because the target's memory could not hold it beside the rows before it
-    callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    target_passes: int = 0
-    num_drafts: int = 0  # target passes in which this row had at least one draft token
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
-    first_token_time: float | None = None
-    sources: dict[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share (telemetry)
-    last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
-
-    def count_step(self, draft_length: int, num_accepted: int) -> None:
-        self.last_block = (draft_length, num_accepted)
-        self.draft_tokens += draft_length
-        self.accepted_tokens += num_accepted
-        self.target_passes += 1
-        self.num_drafts += draft_length > 0
-        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-
-    def fail(self, message: str) -> None:
-        self.reason, self.error = "error", message
+from .row import Row, fit_prompts, pinned_length
 
 
 class DecodeBatch:
@@ -175,37 +128,22 @@ class DecodeBatch:
             self._drafter_started = True
         self.stats.draft_calls += self.drafter.calls - calls
 
-    # --- a target memory of fixed size: the newest rows that do not fit end, the others go on ---------------
+    # --- a target memory of fixed size: the newest rows that do not fit end, the others go on (decode/row.py) ---
     def _fit_prompts(self, rows: list[Row]) -> list[Row]:
         """The joining ``rows`` whose prompts the target's memory takes, in order; the others (the newest) end."""
-        room = self.target.room()
-        fitting = list(rows)
-        while room is not None and fitting and sum(len(row.prompt) for row in fitting) > room.tokens:
-            self._fail_for_memory(fitting.pop(), room, len(self.rows) + len(fitting))
-        return fitting
+        return fit_prompts(rows, self.target.room(), len(self.rows))
 
     def _fit_rows(self) -> tuple[list[Row], Room | None]:
         """Before a step: end the newest rows while the others' pass does not fit (every row scores the widest
         block, its last token and the pinned rows' drafts); returns them and the room left."""
         room, ended = self.target.room(), []
-        while room is not None and self.rows and len(self.rows) * (1 + self._pinned_length()) > room.tokens:
-            self._fail_for_memory(self.rows[-1], room, len(self.rows) - 1)
+        pinned = pinned_length(self.rows, self.drafter is not None, self.controller is not None)
+        while room is not None and self.rows and len(self.rows) * (1 + pinned) > room.tokens:
+            self.rows[-1].fail_for_memory(room, len(self.rows) - 1)
             ended += self._drop_finished()
             room = self.target.room()
+            pinned = pinned_length(self.rows, self.drafter is not None, self.controller is not None)
         return ended, room
-
-    def _pinned_length(self) -> int:
-        """The longest draft a row makes whatever the controller decides (its policy's: pinned, or unweighed)."""
-        if self.drafter is None:
-            return 0
-        return max((row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in self.rows
-                    if self.controller is None or row.pinned or row.estimate is None), default=0)
-
-    @staticmethod
-    def _fail_for_memory(row: Row, room: Room, ahead: int) -> None:
-        row.memory_full = True
-        row.fail(f"{room.memory} is full: this request did not fit beside the {ahead} rows before it (it ended after "
-                 f"{len(row.output)} tokens); send fewer requests at once, or load with a larger n_ctx")
 
     def cancel(self, keys: set[int]) -> list[Row]:
         """Drop the rows with these keys (finish reason "cancelled"), freeing their cache."""

@@ -1,0 +1,90 @@
+"""One sequence in the running batch (``Row``), and how a target memory of fixed size decides which rows fit.
+
+A target cache of fixed size (llama.cpp's KV memory, shared by every row in flight: ``Room``) may not hold every
+row to its end. The newest rows that do not fit end alone (reason "error", an error naming the memory); the rows
+before them go on untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.logprobs import TokenLogprob
+from ..core.processors import TokenHistory
+from ..core.sampling import SamplingParams
+from ..models.cache import Room
+from ..policy import AcceptanceEstimate, GammaPolicy
+from ..telemetry import SourceCounts
+
+
+@dataclass
+class Row:
+    """One sequence being decoded: its settings, its output so far and its telemetry."""
+
+    key: int  # the caller's index for this row (prompt index, or request number)
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None  # None for greedy rows
+    policy: GammaPolicy  # the most drafts this row may make per step
+    estimate: AcceptanceEstimate | None = None  # its request's acceptance (what the controller weighs)
+    lookup_estimate: AcceptanceEstimate | None = None  # ... of a two-source drafter's lookup (policy/sources.py)
+    pinned: bool = False  # drafts its policy's length whatever the controller's cap (timing-free tokens)
+    on_tokens: Callable[[list[int]], None] | None = None
+    verification: str = "token"  # how its sampled drafts are verified: "token" or "block" (core/block.py)
+    logprobs: int | None = None  # None: none; N: each emitted token's logprob and the top N alternatives
+    output: list[int] = field(default_factory=TokenHistory)  # keeps its penalty counts as it grows
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    reason: str | None = None  # "stop", "length", "error", "cancelled" once finished
+    error: str | None = None  # what went wrong, for reason "error"
+    error_step: int | None = None  # the decode step of non-finite target logits
+    memory_full: bool = False  # ended because the target's memory could not hold it beside the rows before it
+    callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    target_passes: int = 0
+    num_drafts: int = 0  # target passes in which this row had at least one draft token
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
+    first_token_time: float | None = None
+    sources: dict[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share (telemetry)
+    last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
+
+    def count_step(self, draft_length: int, num_accepted: int) -> None:
+        self.last_block = (draft_length, num_accepted)
+        self.draft_tokens += draft_length
+        self.accepted_tokens += num_accepted
+        self.target_passes += 1
+        self.num_drafts += draft_length > 0
+        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def fail(self, message: str) -> None:
+        self.reason, self.error = "error", message
+
+    def fail_for_memory(self, room: Room, ahead: int) -> None:
+        self.memory_full = True
+        self.fail(f"{room.memory} is full: this request did not fit beside the {ahead} rows before it (it ended "
+                  f"after {len(self.output)} tokens); send fewer requests at once, or load with a larger n_ctx")
+
+
+def fit_prompts(rows: list[Row], room: Room | None, ahead: int) -> list[Row]:
+    """The joining ``rows`` whose prompts fit in ``room`` beside the ``ahead`` rows already in, in order; the others
+    (the newest) end."""
+    fitting = list(rows)
+    while room is not None and fitting and sum(len(row.prompt) for row in fitting) > room.tokens:
+        fitting.pop().fail_for_memory(room, ahead + len(fitting))
+    return fitting
+
+
+def pinned_length(rows: list[Row], drafting: bool, weighed: bool) -> int:
+    """The longest draft a row makes whatever the controller decides (its policy's: pinned, or unweighed rows, or
+    every row when no controller weighs them, ``weighed`` False); 0 without a drafter."""
+    if not drafting:
+        return 0
+    return max((row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in rows
+                if not weighed or row.pinned or row.estimate is None), default=0)
