@@ -95,6 +95,7 @@ def test_prompt_from_stdin(models, capsys, monkeypatch) -> None:
         (["--num-draft-tokens", "-1"], "num_draft_tokens"),
         (["--temperature", "-1"], "temperature"),
         (["--llama-threads", "0"], "--llama-threads"),
+        (["--llama-ctx", "10"], "--llama-ctx"),
     ],
 )
 def test_errors_are_one_line_without_traceback(models, capsys, argv, message) -> None:
@@ -192,3 +193,17 @@ def test_llama_threads_flag_becomes_the_backends_settings() -> None:
     args = parser.parse_args(["generate", "--prompt", "x", "--llama-threads", "1"])
     assert llama_settings(args).n_threads == 1
     assert llama_settings(parser.parse_args(["generate", "--prompt", "x"])) is None
+
+
+def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
+    """``--llama-ctx N`` reaches ``verispec.load`` as ``LlamaSettings(n_ctx=N)``, with the threads if given too;
+    the other settings keep the backend's defaults."""
+    from verispec.cli.common import llama_settings
+    from verispec.models.llamacpp import LlamaSettings
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--llama-ctx", "16384"])
+    assert llama_settings(args) == LlamaSettings(n_ctx=16384)
+    both = llama_settings(parser.parse_args(["batch", "--llama-ctx", "8192", "--llama-threads", "1",
+                                             "--input", "x.jsonl", "--output", "y.jsonl"]))
+    assert (both.n_ctx, both.n_threads, both.repack) == (8192, 1, LlamaSettings().repack)

@@ -37,6 +37,13 @@ CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another t
 SUFFIX_OVER_MODEL_SCORE = 3.0
 
 
+def suffix_beside_model():
+    """The suffix settings of ``suffix+MODEL``'s suffix part."""
+    from .drafters.suffix import SuffixSettings
+
+    return SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE, max_spec_offset=0.0)
+
+
 def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
     """``(suffix decoding?, the draft model's name or None)`` for a draft name: ``"suffix"``, ``"suffix+MODEL"``
     or anything else (a model, ``"ngram"``, ``"none"``, None)."""
@@ -266,7 +273,9 @@ def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draf
 
     cache_size = DEFAULT_CACHE_SIZE if cache_size is None else cache_size
     fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
-    settings = SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE if fallback is not None else 0.0)
+    # Beside a model, suffix drafts only as long as their match (vLLM's offset 0): the offset's guesses after a
+    # short match would score like a long copy and take rows from a model that is usually right.
+    settings = SuffixSettings() if fallback is None else suffix_beside_model()
     suffix = SuffixDrafter(cache_size, scope, settings)
     say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
                   + ("; the model where it pays more, row by row" if fallback is not None else ""))

@@ -38,9 +38,9 @@ from run import cpu_name, encode, log, ratio, summarise  # noqa: E402
 import verispec  # noqa: E402
 from verispec.drafters import CompositeDrafter, ModelDrafter, NGramDrafter, SuffixDrafter  # noqa: E402
 from verispec.drafters.suffix import ResponseTrees, SuffixSettings  # noqa: E402
-from verispec.factory import SUFFIX_OVER_MODEL_SCORE  # noqa: E402
+from verispec.factory import suffix_beside_model  # noqa: E402
 
-METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model")
+METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset")
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -104,11 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="torch", choices=["torch", "llama.cpp", "auto"],
                         help="what runs the pair (the issue's goals are on the torch path; 'auto' picks llama.cpp "
                              "for the zoo's GGUF files)")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--replot", metavar="JSON", nargs="+",
                         help="only rebuild the table and plot from runs' JSON (the completed repeats of each, "
                              "one after the other: runs of the same settings in separate processes)")
     args = parser.parse_args(argv)
+    methods = tuple(args.methods.split(","))
+    if "alone" not in methods or not set(methods) <= set(METHODS):
+        parser.error(f"--methods: include 'alone' (the reference), of {', '.join(METHODS)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.replot:
@@ -129,28 +133,31 @@ def main(argv: list[str] | None = None) -> int:
     suffix = SuffixDrafter(scope="global")
     # suffix+MODEL as ``verispec.load(target, "suffix+MODEL")`` builds it: suffix drafts where their score is high,
     # else the model, each row's source chosen by the speculation controller (policy/sources.py).
-    combined_suffix = SuffixDrafter(scope="global", settings=SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE))
+    combined_suffix = SuffixDrafter(scope="global", settings=suffix_beside_model())
+    # vLLM's default settings (max_spec_offset 0), against verispec's default offset 4 (tune.py)
+    vllm_suffix = SuffixDrafter(scope="global", settings=SuffixSettings(max_spec_offset=0.0))
     drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model),
-                "suffix+model": CompositeDrafter(combined_suffix, ModelDrafter(draft_model))}
+                "suffix+model": CompositeDrafter(combined_suffix, ModelDrafter(draft_model)),
+                "suffix_no_offset": vllm_suffix}
     log("warm-up: kernels of each shape, and each drafter's speculation controller")
     warm = encode(tokenizer, {"kind": "chat", "text": "Write a Python function that reverses a string."})
-    for name, drafter in drafters.items():
-        decoder.generate([warm], max_new_tokens=32, eos_token_id=eos, draft=drafter)
+    for name in methods:
+        decoder.generate([warm], max_new_tokens=32, eos_token_id=eos, draft=drafters[name])
 
     report = {"command": "python benchmarks/suffix/bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
                          f"Python {sys.version.split()[0]} (shared machine)",
-              "settings": vars(args), "prompts": prompts, "records": []}
+              "settings": vars(args), "methods": list(methods), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        for tree_owner in (suffix, combined_suffix):  # nothing from before
+        for tree_owner in (suffix, combined_suffix, vllm_suffix):  # nothing from before
             tree_owner.trees = ResponseTrees(tree_owner.trees.cache_size, tree_owner.settings.max_depth)
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;
             # and the methods' order rotates by prompt and repeat, so none always runs first.
             decoder.generate([ids], max_new_tokens=1, eos_token_id=eos, draft=None)
-            turn = (repeat + index) % len(METHODS)
-            order = list(METHODS[turn:] + METHODS[:turn])
+            turn = (repeat + index) % len(methods)
+            order = list(methods[turn:] + methods[:turn])
             outputs = {}
             for method in order:
                 t0 = time.perf_counter()
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def completed(report: dict) -> int:
     """Repeats of a run in which every method decoded every prompt (a run cut by a timeout ends mid-repeat)."""
-    per_repeat = len(report["prompts"]) * len(METHODS)
+    per_repeat = len(report["prompts"]) * len(report.get("methods", METHODS))
     return sum(1 for r in range(report["settings"]["repeats"])
                if sum(x["repeat"] == r for x in report["records"]) == per_repeat)
 
@@ -195,10 +202,11 @@ def finish(report: dict, out: Path) -> int:
     """Medians over the repeats that finished (every prompt done), the table and the plot."""
     kinds, done = ["repetitive", "general"], completed(report)
     records = [x for x in report["records"] if x["repeat"] < done]
-    table = summarise(records, list(METHODS), kinds, done)
+    methods = report.get("methods", list(METHODS))
+    table = summarise(records, methods, kinds, done)
     report["repeats_done"] = done
     report["tokens_per_s"] = table
-    report["speedup_vs_alone"] = {m: {k: ratio(table, m, "alone", k) for k in kinds + ["all"]} for m in METHODS}
+    report["speedup_vs_alone"] = {m: {k: ratio(table, m, "alone", k) for k in kinds + ["all"]} for m in methods}
     report["all_identical"] = all(r["identical"] for r in report["records"] if r["identical"] is not None)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     text = markdown(report, kinds)
@@ -216,8 +224,9 @@ def plot(report: dict, kinds: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    width = 0.8 / len(METHODS)
-    for i, method in enumerate(METHODS):
+    methods = report.get("methods", list(METHODS))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
         stats = [report["speedup_vs_alone"][method][k] for k in kinds]
         xs = [j + i * width for j in range(len(kinds))]
         medians = [s["median"] for s in stats]
@@ -237,7 +246,7 @@ def markdown(report: dict, kinds: list[str]) -> str:
     lines = ["| method | " + " | ".join(f"{k} tok/s" for k in kinds) + " | " +
              " | ".join(f"{k} vs alone" for k in kinds) + " | acceptance (repetitive) |",
              "|---" * (2 * len(kinds) + 2) + "|"]
-    for method in METHODS:
+    for method in report.get("methods", METHODS):
         speed = [report["tokens_per_s"][method][k] for k in kinds]
         ratios = [report["speedup_vs_alone"][method][k] for k in kinds]
         rows = [r for r in report["records"] if r["method"] == method and r["kind"] == "repetitive"

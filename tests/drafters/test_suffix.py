@@ -49,7 +49,7 @@ def answer(drafter: SuffixDrafter, text: list[int], response: list[int], params:
 
 
 def test_proposes_what_followed_the_longest_match_in_the_rows_own_text() -> None:
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(settings=SuffixSettings(max_spec_offset=0.0))  # vLLM's: length <= match length
     drafter.start([[7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3], [11, 12, 13]], GREEDY, 512)
     proposal = drafter.propose(8, None)
     assert proposal.draft_probs is None  # deterministic: one-hot in the acceptance ratio
@@ -58,6 +58,18 @@ def test_proposes_what_followed_the_longest_match_in_the_rows_own_text() -> None
     assert proposal.draft_ids[0, :3].tolist() == [4, 5, 6]
     assert drafter.lookups(2) == [[4, 5], []]
     assert drafter.hits == 1 and drafter.row_steps == 2 and drafter.hit_rate == 0.5
+
+
+def test_the_default_offset_lets_a_short_match_draft_four_tokens_more() -> None:
+    """The default ``max_spec_offset`` 4 (``benchmarks/suffix/tune.py``): a match of 3 tokens may draft 3 + 4; a
+    match of 1 token, 1 + 4, however long the stored continuation."""
+    drafter = SuffixDrafter()
+    drafter.start([[7, 1, 2, 3, 4, 5, 6, 9, 8, 8, 8, 1, 2, 3], [5, 20, 21, 22, 23, 24, 25, 26, 27, 28, 5]],
+                  GREEDY, 512)
+    drafts = drafter.drafts()
+    assert drafts[0].match_len == 3 and drafts[0].token_ids == [4, 5, 6, 9, 8, 8, 8]
+    assert drafts[1].match_len == 1 and drafts[1].token_ids == [20, 21, 22, 23, 24]
+    assert drafter.propose(16, None).draft_lengths.tolist() == [7, 5]
 
 
 def test_ids_the_target_cannot_emit_are_never_proposed() -> None:
@@ -71,9 +83,12 @@ def test_ids_the_target_cannot_emit_are_never_proposed() -> None:
 
 def test_a_longer_match_earns_a_longer_draft_and_rare_branches_end_it() -> None:
     text = list(range(1, 21))
-    drafter = SuffixDrafter()
+    drafter = SuffixDrafter(settings=SuffixSettings(max_spec_offset=0.0))
     assert one_row(drafter, [99] + text + [50] + text[:2], k=16) == [3, 4]  # matched 2 tokens: 2 drafted
     assert one_row(drafter, [99] + text + [50] + text[:6], k=16) == list(range(7, 13))  # matched 6: 6 drafted
+    offset = SuffixDrafter()  # the default offset 4: 2 + 4, 6 + 4
+    assert one_row(offset, [99] + text + [50] + text[:2], k=16) == list(range(3, 9))
+    assert one_row(offset, [99] + text + [50] + text[:6], k=16) == list(range(7, 17))
     # After [1, 2]: 3 three times, 8 once (estimated 0.75 / 0.25); with min_token_prob 0.5 the draft stops there.
     branching = [1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 8, 0, 1, 2]
     strict = SuffixDrafter(settings=SuffixSettings(min_token_prob=0.5, max_spec_factor=4.0))
@@ -105,7 +120,7 @@ def test_sampled_rows_draft_from_their_own_text_unless_shared() -> None:
 
 
 def test_rows_join_and_leave_with_their_own_text() -> None:
-    drafter = SuffixDrafter(scope="request")
+    drafter = SuffixDrafter(scope="request", settings=SuffixSettings(max_spec_offset=0.0))  # length = match length
     drafter.start([[1, 2, 3, 1, 2]], GREEDY, 512)
     drafter.add_rows([[4, 5, 6, 4, 5], [8, 9]], [GREEDY, GREEDY])
     assert drafter.lookups(4) == [[3, 1], [6, 4], []]

@@ -49,6 +49,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
                         help="threads for llama.cpp's kernels (default: every CPU this process may use; 1 lets drafts "
                              "be verified exactly in passes of several tokens, docs/llamacpp.md)")
+    parser.add_argument("--llama-ctx", type=int, default=None, metavar="N",
+                        help="llama.cpp's KV memory in tokens, shared by every request in flight (default 4096; "
+                             "about 28 KB a token for the 1.5B target): raise it to serve many long prompts at once")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",

@@ -39,15 +39,18 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
 
 
 def llama_settings(args: argparse.Namespace):
-    """``LlamaSettings`` from ``--llama-threads`` (None: the backend's defaults)."""
-    threads = getattr(args, "llama_threads", None)
-    if threads is None:
+    """``LlamaSettings`` from ``--llama-threads`` and ``--llama-ctx`` (None: the backend's defaults)."""
+    chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None)}
+    chosen = {name: value for name, value in chosen.items() if value is not None}
+    if not chosen:
         return None
-    if threads < 1:
-        raise CliError(f"--llama-threads must be at least 1, got {threads}")
+    if chosen.get("n_threads", 1) < 1:
+        raise CliError(f"--llama-threads must be at least 1, got {chosen['n_threads']}")
+    if chosen.get("n_ctx", 64) < 64:
+        raise CliError(f"--llama-ctx must be at least 64 tokens, got {chosen['n_ctx']}")
     from ..models.llamacpp import LlamaSettings
 
-    return LlamaSettings(n_threads=threads)
+    return LlamaSettings(**chosen)
 
 
 def suffix_options(args: argparse.Namespace) -> dict:
