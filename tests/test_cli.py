@@ -207,3 +207,6 @@ def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
     both = llama_settings(parser.parse_args(["batch", "--llama-ctx", "8192", "--llama-threads", "1",
                                              "--input", "x.jsonl", "--output", "y.jsonl"]))
     assert (both.n_ctx, both.n_threads, both.repack) == (8192, 1, LlamaSettings().repack)
+    one = parser.parse_args(["generate", "--prompt", "x"])
+    one.llama_rows = 1  # what `generate` sets: one prompt, one row
+    assert llama_settings(one) == LlamaSettings(n_seq_max=1)

@@ -27,6 +27,7 @@ import json
 import sys
 import sysconfig
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ from verispec.drafters import CompositeDrafter, ModelDrafter, NGramDrafter, Suff
 from verispec.drafters.suffix import ResponseTrees, SuffixSettings  # noqa: E402
 from verispec.factory import suffix_beside_model  # noqa: E402
 
-METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset")
+METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset", "suffix+model_offset4")
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -136,9 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     combined_suffix = SuffixDrafter(scope="global", settings=suffix_beside_model())
     # vLLM's default settings (max_spec_offset 0), against verispec's default offset 4 (tune.py)
     vllm_suffix = SuffixDrafter(scope="global", settings=SuffixSettings(max_spec_offset=0.0))
+    offset_suffix = SuffixDrafter(scope="global", settings=replace(suffix_beside_model(), max_spec_offset=4.0))
     drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model),
                 "suffix+model": CompositeDrafter(combined_suffix, ModelDrafter(draft_model)),
-                "suffix_no_offset": vllm_suffix}
+                "suffix_no_offset": vllm_suffix,
+                # suffix+model whose suffix part drafts with the lone drafter's offset 4 (the factory uses 0 there)
+                "suffix+model_offset4": CompositeDrafter(offset_suffix, ModelDrafter(draft_model))}
     log("warm-up: kernels of each shape, and each drafter's speculation controller")
     warm = encode(tokenizer, {"kind": "chat", "text": "Write a Python function that reverses a string."})
     for name in methods:
@@ -150,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(args), "methods": list(methods), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        for tree_owner in (suffix, combined_suffix, vllm_suffix):  # nothing from before
+        for tree_owner in (suffix, combined_suffix, vllm_suffix, offset_suffix):  # nothing from before
             tree_owner.trees = ResponseTrees(tree_owner.trees.cache_size, tree_owner.settings.max_depth)
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;

@@ -39,8 +39,10 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
 
 
 def llama_settings(args: argparse.Namespace):
-    """``LlamaSettings`` from ``--llama-threads`` and ``--llama-ctx`` (None: the backend's defaults)."""
-    chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None)}
+    """``LlamaSettings`` from ``--llama-threads`` and ``--llama-ctx`` (None: the backend's defaults), and the most
+    rows a command decodes at once (``llama_rows``, set by ``generate``: one; its logits buffer is sized by it)."""
+    chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None),
+              "n_seq_max": getattr(args, "llama_rows", None)}
     chosen = {name: value for name, value in chosen.items() if value is not None}
     if not chosen:
         return None

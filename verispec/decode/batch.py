@@ -18,10 +18,9 @@ import contextlib
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.block import verify_rows
 from ..core.logprobs import TokenLogprob, emitted_logprobs
@@ -36,6 +35,9 @@ from ..policy.sources import LOOKUP, SourceController, SourceDecision, SourceRow
 from ..telemetry import GenerationStats, count_source
 from .clock import PhaseClock, sync
 from .row import Row, fit_prompts, pinned_length
+
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
 
 
 class DecodeBatch:

@@ -21,9 +21,9 @@ import time
 import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
@@ -38,7 +38,22 @@ from .batch import DecodeBatch, Row
 from .clock import sync
 from .requests import ModelLimits, Request, validate_request
 
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
+
+
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
+
+
+def _is_model(draft: object) -> bool:
+    """A draft model: a transformers model or a backend's (llama.cpp's ``LlamaModel``)."""
+    if hasattr(draft, "new_cache"):
+        return True
+    if not isinstance(draft, torch.nn.Module):
+        return False
+    from transformers import PreTrainedModel  # here, not at import: its modeling module costs ~120 MB
+
+    return isinstance(draft, PreTrainedModel)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -261,7 +276,7 @@ class SpeculativeDecoder:
         """A call's drafter (a model is wrapped in a ``ModelDrafter``) and the limits that go with it."""
         if draft is _USE_DECODER_DRAFT:
             return self.drafter, self.limits
-        if isinstance(draft, PreTrainedModel) or hasattr(draft, "new_cache"):  # a torch model, or llama.cpp's
+        if _is_model(draft):  # a torch model, or llama.cpp's
             return ModelDrafter(draft.eval()), self._limits_with(draft)
         if draft is not None and not isinstance(draft, Drafter):
             raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, "

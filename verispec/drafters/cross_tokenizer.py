@@ -21,15 +21,20 @@ Acceptance is the only thing the tokenizers' mismatch can cost.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, padded_positions
 from ..models.capability import model_vocab_size
 from ..text import IncrementalDecoder
 from .base import Drafter, Proposal, common_prefix
+
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
+
 
 ANCHOR_MARGIN = 16  # draft tokens re-tokenised each step behind the text's end (new text changes the last few)
 TEXT_WINDOW = 8  # draft tokens decoded before the drafted ones, to cut the drafted text at the right character

@@ -18,14 +18,19 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from .base import Proposal, per_row
 from .cross_tokenizer import CrossTokenizerDrafter
+
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
+
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.cache import left_pad, new_cache, padded_positions
 from .base import Drafter, Proposal, per_row
+
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
 
 
 class _BlockConfidence:

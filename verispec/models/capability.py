@@ -35,10 +35,13 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PreTrainedModel
+
+if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
+    from transformers import PreTrainedModel
+
 
 # Logits that should be equal differ by rounding: a two-token pass over a cache rounds differently from one
 # pass over all tokens, masked slots change the order of sums, and kernels that cast activations to bf16
