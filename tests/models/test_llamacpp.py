@@ -756,3 +756,28 @@ def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
         assert done.wait(120) and finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
     finally:
         engine.shutdown()
+
+
+def test_the_llama_cpp_path_never_imports_transformers_modeling(tiny_gguf) -> None:
+    """Decoding on llama.cpp with a free draft, in a fresh process that imported the CLI, the factory and the
+    server, never imports transformers' modeling module (~120 MB of resident memory, what kept `verispec generate`
+    above 1.2x llama.cpp's own peak RSS: benchmarks/llamacpp/memory.py)."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import verispec, verispec.cli, verispec.factory, verispec.serving.app
+from verispec.drafters import NGramDrafter, SuffixDrafter
+from verispec.models.llamacpp import LlamaModel, LlamaSettings
+model = LlamaModel(sys.argv[1], LlamaSettings(n_ctx=2048, n_threads=1, n_seq_max=1))
+decoder = verispec.SpeculativeDecoder(model, None, vocab_size=model.vocab_size)
+for drafter in (NGramDrafter(), SuffixDrafter(), None):
+    out = decoder.generate([[1, 2, 3, 1, 2, 3, 1, 2]], max_new_tokens=6, draft=drafter)
+    assert len(out.tokens[0]) == 6, out.tokens
+print("transformers.modeling_utils" in sys.modules)  # PreTrainedModel's module
+"""
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_gguf[0])], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
