@@ -210,3 +210,6 @@ def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
     one = parser.parse_args(["generate", "--prompt", "x"])
     one.llama_rows = 1  # what `generate` sets: one prompt, one row
     assert llama_settings(one) == LlamaSettings(n_seq_max=1)
+    # --llama-streams: a KV stream per row, as many as the server's batch holds (not the backend's 64)
+    served = llama_settings(parser.parse_args(["serve", "--llama-streams", "--max-batch-size", "8"]))
+    assert (served.streams, served.n_seq_max) == (True, 8)

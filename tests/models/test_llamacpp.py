@@ -781,3 +781,35 @@ print("transformers.modeling_utils" in sys.modules)  # PreTrainedModel's module
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["streams", "shared-memory"])
+def test_on_two_threads_only_streams_keep_a_batched_row_bitwise(tiny_gguf, streams) -> None:
+    """On more than one thread ggml's single-query flash attention splits the keys of the KV window across the
+    threads; in one memory shared by all rows the window spans every row's cells, so a row decoded beside 15 others
+    sums its keys in other parts than alone (found serving 16 clients: `benchmarks/serve_llamacpp_16/`). A KV
+    stream per row keeps each row's window its own: bitwise. The shared memory is checked to be the one that
+    differs, so the documented reason for ``--llama-streams`` stays true."""
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=2048 if streams else 4096, n_threads=2, n_seq_max=16,
+                                                   streams=streams))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 200, size=int(rng.integers(100, 160))).tolist() for _ in range(16)]
+
+    def row_zero_logits(rows: list[int]) -> torch.Tensor:
+        cache = model.new_cache()
+        cache.reset(len(rows))
+        cache.prefill([prompts[r] for r in rows])
+        last, pos, seen = [prompts[r][-1] for r in rows], [len(prompts[r]) - 1 for r in rows], []
+        for _ in range(30):
+            out = cache.forward(torch.tensor([[t] for t in last]), torch.ones(len(rows), 1, dtype=torch.bool),
+                                torch.tensor([[p] for p in pos]))  # [B, 1, V]
+            seen.append(out[0, 0].clone())
+            last, pos = out[:, 0].argmax(-1).tolist(), [p + 1 for p in pos]
+        cache.select_rows([])
+        return torch.stack(seen)  # [30, V]
+
+    try:
+        alone, batched = row_zero_logits([0]), row_zero_logits(list(range(16)))
+    finally:
+        model.close()
+    assert torch.equal(alone, batched) == streams

@@ -49,6 +49,10 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
                         help="threads for llama.cpp's kernels (default: every CPU this process may use; 1 lets drafts "
                              "be verified exactly in passes of several tokens, docs/llamacpp.md)")
+    parser.add_argument("--llama-streams", action="store_true", default=None,
+                        help="a KV stream of its own per row (--llama-ctx cells each, for each of the server's rows): "
+                             "with more than one llama.cpp thread, the only way rows batched together stay bitwise "
+                             "llama.cpp's plain decoding (docs/llamacpp.md)")
     parser.add_argument("--llama-ctx", type=int, default=None, metavar="N",
                         help="llama.cpp's KV memory in tokens, shared by every request in flight (default 4096; "
                              "about 28 KB a token for the 1.5B target): raise it to serve many long prompts at once")

@@ -350,6 +350,10 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
     model = LlamaModel(path, settings)
     say(progress, f"llama.cpp: {model.regime.reason}; "
                   f"{'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
+    if settings.threads() > 1 and settings.flash_attn and not settings.streams and settings.n_seq_max > 1:
+        say(progress, "llama.cpp: one KV memory shared by all rows on several threads: a row alone decodes bitwise as "
+                      "llama.cpp's plain loop, rows batched together only up to the last bits of their logits "
+                      "(streams=True / --llama-streams: bitwise in any batch, a KV stream per row)")
     return model, tokenizer
 
 
