@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,7 +38,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from .cache import CacheFullError, Room
+from .cache import Room
 from .llama_context import (LLAMA_CPP_MISSING, PROBE_CONTEXT, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
                             _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
                             probe_regime)
