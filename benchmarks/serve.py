@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the target's backend, as verispec serve's --backend")
     parser.add_argument("--llama-threads", type=int, default=None, help="as verispec serve's --llama-threads")
     parser.add_argument("--llama-ctx", type=int, default=None, help="as verispec serve's --llama-ctx (KV tokens)")
+    parser.add_argument("--llama-streams", action="store_true", default=None,
+                        help="as verispec serve's --llama-streams (a KV stream per row)")
     parser.add_argument("--also-drafts", default="", help="comma-separated free drafts (suffix, ngram) measured as "
                         "further modes on the same target weights")
     parser.add_argument("--out", default=str(Path(__file__).parent))
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                                     dtype="float32", device=args.device, fast=True, backend=args.backend,
-                                    llama_threads=args.llama_threads, llama_ctx=args.llama_ctx)
+                                    llama_threads=args.llama_threads, llama_ctx=args.llama_ctx,
+                                    llama_streams=args.llama_streams, max_batch_size=args.max_batch_size)
     speculative, tokenizer = build_decoder(model_args, log)
     if args.prompts == "repetitive":  # suffix/bench.py's edits, loops and second turns, in the target's template
         sys.path.insert(0, str(Path(__file__).parent / "suffix"))
