@@ -139,13 +139,14 @@ class DecodeBatch:
         """Before a step: end the newest rows while the others' pass does not fit (every row scores the widest
         block, its last token and the pinned rows' drafts); returns them and the room left."""
         room, ended = self.target.room(), []
-        pinned = pinned_length(self.rows, self.drafter is not None, self.controller is not None)
-        while room is not None and self.rows and len(self.rows) * (1 + pinned) > room.tokens:
+        while room is not None and self.rows and len(self.rows) * (1 + self._pinned_length()) > room.tokens:
             self.rows[-1].fail_for_memory(room, len(self.rows) - 1)
             ended += self._drop_finished()
             room = self.target.room()
-            pinned = pinned_length(self.rows, self.drafter is not None, self.controller is not None)
         return ended, room
+
+    def _pinned_length(self) -> int:
+        return pinned_length(self.rows, self.drafter is not None, self.controller is not None)
 
     def cancel(self, keys: set[int]) -> list[Row]:
         """Drop the rows with these keys (finish reason "cancelled"), freeing their cache."""
@@ -209,8 +210,7 @@ class DecodeBatch:
         source (``policy/sources.py``)."""
         if self.drafter is None:
             return [0] * len(self.rows), None, None
-        # A row never drafts past its remaining budget (the last token is always the target's own).
-        limits = [row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in self.rows]
+        limits = [row.draft_limit() for row in self.rows]
         if self.controller is None or not any(limits):
             return limits, None, None
         if isinstance(self.controller, SourceController) and isinstance(self.drafter, SourceDrafter):

@@ -63,6 +63,11 @@ class Row:
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
+    def draft_limit(self) -> int:
+        """The most drafts this row may make next step: its policy's, within its remaining budget (the last token
+        is always the target's own)."""
+        return self.policy.choose(self.max_new_tokens - len(self.output) - 1)
+
     def fail(self, message: str) -> None:
         self.reason, self.error = "error", message
 
@@ -86,5 +91,4 @@ def pinned_length(rows: list[Row], drafting: bool, weighed: bool) -> int:
     every row when no controller weighs them, ``weighed`` False); 0 without a drafter."""
     if not drafting:
         return 0
-    return max((row.policy.choose(row.max_new_tokens - len(row.output) - 1) for row in rows
-                if not weighed or row.pinned or row.estimate is None), default=0)
+    return max((row.draft_limit() for row in rows if not weighed or row.pinned or row.estimate is None), default=0)
