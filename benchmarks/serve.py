@@ -9,7 +9,8 @@ same OpenAI API twice on a loopback port: with the draft (``num_draft_tokens="au
 ``ngram``) on the same target weights as further modes, so every drafter is compared in one process. Each client sends streamed greedy completions of
 the prompts in ``prompts.json`` one after another; per request it records the time to the first text, the time
 per output token after it and the whole latency; per level, throughput (completion tokens per second of wall
-time). Each level runs ``--repeats`` times per mode in A B B A order (speculative, alone, alone, speculative)
+time). Each level runs ``--repeats`` times per mode, the modes' order rotated each repeat (A B C, B C A, C A B; with
+two modes A B B A: speculative, alone, alone, speculative)
 so that a drift in machine speed hits both alike; a mode's throughput is its tokens over its summed wall time,
 and each repeat's own throughput is reported as the spread.
 Greedy outputs must be identical between the two modes, whatever the batch: the script checks and reports it.
@@ -201,7 +202,7 @@ def markdown(results: dict) -> str:
         f"Prompts: `{results.get('prompts', 'prompts.json')}`.", "",
         f"Target `{results['target']}`, draft `{results['draft']}`, greedy, {results['max_tokens']} tokens per "
         f"request, streamed; {results['requests_per_client']} requests per client; {results['repeats']} repeats per "
-        f"mode and level (A B B A); target backend: {results.get('backend', 'torch')}; machine: {results['machine']}.",
+        f"mode and level ({results.get('order', 'A B B A')}); target backend: {results.get('backend', 'torch')}; machine: {results['machine']}.",
         f"Command: `{results['command']}`", "",
         "| mode | clients | tok/s | speed-up | latency p50 / p90 / p99 (s) | TTFT p50 / p90 (s) | TPOT p50 / p90 (s) "
         "| acceptance | tokens per pass | tok/s by repeat | controller steps |",
@@ -276,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1,4,16,32", help="comma-separated client counts")
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode and level, in A B B A order")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per mode and level, the modes' order rotated each repeat")
     parser.add_argument("--max-batch-size", type=int, default=32, help="as verispec serve's default")
     parser.add_argument("--prompts", default=str(Path(__file__).with_name("prompts.json")),
                         help="a JSON list of {text}, or 'repetitive': suffix/bench.py's workload in the chat template")
@@ -286,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the target's backend, as verispec serve's --backend")
     parser.add_argument("--llama-threads", type=int, default=None, help="as verispec serve's --llama-threads")
     parser.add_argument("--llama-ctx", type=int, default=None, help="as verispec serve's --llama-ctx (KV tokens)")
-    parser.add_argument("--llama-streams", action="store_true", default=None,
-                        help="as verispec serve's --llama-streams (a KV stream per row)")
+    parser.add_argument("--llama-streams", action=argparse.BooleanOptionalAction, default=None,
+                        help="as verispec serve's --llama-streams / --no-llama-streams (default: a KV stream per row)")
     parser.add_argument("--also-drafts", default="", help="comma-separated free drafts (suffix, ngram) measured as "
                         "further modes on the same target weights")
     parser.add_argument("--out", default=str(Path(__file__).parent))
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                "also_drafts": [d for d in args.also_drafts.split(",") if d], "prompts": Path(args.prompts).name,
                "backend": "torch" if isinstance(speculative.target_model, torch.nn.Module) else "llama.cpp",
                "machine": f"{cpu_name()}, {torch.get_num_threads()} threads",
+               "order": "the modes' order rotated each repeat",
                "levels": []}
     identical = True
     modes = {"speculative": speculative, "target_alone": alone}
@@ -330,14 +333,19 @@ def main(argv: list[str] | None = None) -> int:
         modes[f"speculative:{name}"] = free_draft_decoder(speculative, name, tokenizer)
     for clients in [int(c) for c in args.concurrency.split(",")]:
         runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-        for repeat in range(args.repeats):  # A B B A ...: a drift in machine speed hits both modes alike
-            for mode in list(modes) if repeat % 2 == 0 else list(modes)[::-1]:  # A B C C B A with more modes
+        for repeat in range(args.repeats):  # A B C, B C A, C A B: each mode takes each place once in n repeats,
+            order = list(modes)[repeat % len(modes):] + list(modes)[:repeat % len(modes)]  # so a drift in machine
+            for mode in order:  # speed, or the first run after a level's start, hits every mode alike (2: A B B A)
                 log(f"{mode}, {clients} clients, repeat {repeat + 1}/{args.repeats}")
                 runs[mode].append(serve_and_measure(modes[mode], tokenizer, eos, max_context, args, prompts, clients))
                 log(f"  {runs[mode][-1]['throughput_tok_s']:.2f} tok/s, "
                     f"latency p50 {runs[mode][-1]['latency_s']['p50']:.2f} s")
         level = {mode: combine(rs) for mode, rs in runs.items()}
-        same = all(r["outputs"] == runs["target_alone"][0]["outputs"] for rs in runs.values() for r in rs)
+        reference = runs["target_alone"][0]["outputs"]  # prompt -> text
+        differing = sorted({prompts.index(prompt) for rs in runs.values() for r in rs
+                            for prompt, text in r["outputs"].items() if text != reference.get(prompt)})
+        same = not differing and all(r["outputs"].keys() == reference.keys() for rs in runs.values() for r in rs)
+        results.setdefault("differing_prompts", {})[str(clients)] = differing  # indices into the prompts
         identical = identical and same
         if not same:
             log(f"outputs differ at {clients} clients (a bug, or a near-tie of two logits: see PITFALLS #1)")

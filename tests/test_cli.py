@@ -186,30 +186,49 @@ def test_demo_labels_its_texts_on_stdout(models, capsys) -> None:
 
 
 def test_llama_threads_flag_becomes_the_backends_settings() -> None:
-    """``--llama-threads N`` reaches ``verispec.load`` as ``LlamaSettings(n_threads=N)``; absent, the defaults."""
+    """``--llama-threads N`` reaches ``verispec.load`` as ``LlamaSettings(n_threads=N)``; absent, the defaults
+    for one row (``generate`` decodes one prompt)."""
     from verispec.cli.common import llama_settings
+    from verispec.models.llamacpp import LlamaSettings
 
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--llama-threads", "1"])
-    assert llama_settings(args).n_threads == 1
-    assert llama_settings(parser.parse_args(["generate", "--prompt", "x"])) is None
+    assert llama_settings(args) == LlamaSettings(n_threads=1, n_seq_max=1)
+    assert llama_settings(parser.parse_args(["generate", "--prompt", "x"])) == LlamaSettings(n_seq_max=1)
+
+
+def test_llama_rows_follow_each_commands_batch() -> None:
+    """llama.cpp holds as many rows (a KV stream each, by default) as the command decodes at once: one for
+    ``generate`` and ``demo``, ``--max-batch-size`` for ``serve``, ``--batch-size`` for ``batch``; the per-row
+    context is the default's (4096, or 65536 cells shared out over more than 16 rows)."""
+    from verispec.cli.common import llama_settings
+
+    parser = build_parser()
+    rows = {
+        ("generate", "--prompt", "x"): (1, 4096), ("demo",): (1, 4096), ("serve",): (32, 2048),
+        ("serve", "--max-batch-size", "8"): (8, 4096),
+        ("batch", "--input", "x.jsonl", "--output", "y.jsonl"): (16, 4096),
+        ("batch", "--input", "x.jsonl", "--output", "y.jsonl", "--batch-size", "64"): (64, 1024),
+    }
+    for argv, (count, row_ctx) in rows.items():
+        settings = llama_settings(parser.parse_args(list(argv)))
+        assert (settings.n_seq_max, settings.streams, settings.row_ctx()) == (count, True, row_ctx), argv
 
 
 def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
     """``--llama-ctx N`` reaches ``verispec.load`` as ``LlamaSettings(n_ctx=N)``, with the threads if given too;
-    the other settings keep the backend's defaults."""
+    the other settings keep the backend's defaults; ``--no-llama-streams`` shares one memory among the rows."""
     from verispec.cli.common import llama_settings
     from verispec.models.llamacpp import LlamaSettings
 
     parser = build_parser()
     args = parser.parse_args(["serve", "--llama-ctx", "16384"])
-    assert llama_settings(args) == LlamaSettings(n_ctx=16384)
+    assert llama_settings(args) == LlamaSettings(n_ctx=16384, n_seq_max=32)
+    assert llama_settings(args).kv_cells() == 16384 * 32
     both = llama_settings(parser.parse_args(["batch", "--llama-ctx", "8192", "--llama-threads", "1",
                                              "--input", "x.jsonl", "--output", "y.jsonl"]))
     assert (both.n_ctx, both.n_threads, both.repack) == (8192, 1, LlamaSettings().repack)
-    one = parser.parse_args(["generate", "--prompt", "x"])
-    one.llama_rows = 1  # what `generate` sets: one prompt, one row
-    assert llama_settings(one) == LlamaSettings(n_seq_max=1)
-    # --llama-streams: a KV stream per row, as many as the server's batch holds (not the backend's 64)
+    shared = llama_settings(parser.parse_args(["serve", "--no-llama-streams", "--llama-ctx", "16384"]))
+    assert (shared.streams, shared.row_ctx(), shared.kv_cells()) == (False, 16384, 16384)
     served = llama_settings(parser.parse_args(["serve", "--llama-streams", "--max-batch-size", "8"]))
     assert (served.streams, served.n_seq_max) == (True, 8)

@@ -158,9 +158,9 @@ def draft_gguf(draft, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_draft(draft_gguf) -> LlamaModel:
-    """The draft GGUF on llama.cpp as the factory runs one beside a target: one shared memory, repacking on,
-    passes uncut, no regime probe."""
-    model = load_llama_draft(draft_gguf, LlamaSettings(n_ctx=4096, n_threads=2, n_seq_max=80))
+    """The draft GGUF on llama.cpp as the factory runs one beside a target: a KV stream per row (the default),
+    repacking on, passes uncut, no regime probe."""
+    model = load_llama_draft(draft_gguf, LlamaSettings(n_ctx=1024, n_threads=2, n_seq_max=80))
     yield model
     model.close()
 
@@ -629,7 +629,7 @@ def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
     the same pass once there is room scores as each row alone (up to the order of its cells)."""
     from verispec.models.cache import CacheFullError
 
-    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8))
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8, streams=False))
     try:
         filler = small.new_cache()
         filler.reset(1)
@@ -669,7 +669,7 @@ def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
 def small_pair(request, tiny_gguf, draft, draft_gguf):
     """A target whose shared memory holds 256 tokens (n_ctx=256), and the partly agreeing draft: on torch, or on
     llama.cpp with the memory the factory gives it (the target's layout)."""
-    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=8))
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=8, streams=False))
     on_llama = request.param == "llama.cpp-draft"
     draft_model = load_llama_draft(draft_gguf, target.settings) if on_llama else draft
     yield target, draft_model
@@ -756,6 +756,61 @@ def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
         assert done.wait(120) and finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
     finally:
         engine.shutdown()
+
+
+def test_the_engine_batch_is_cut_to_the_rows_llama_cpp_holds(tiny_gguf, draft_gguf) -> None:
+    """A context holds ``n_seq_max`` rows (a KV stream each): a server asked for a larger batch runs at most that
+    many rows at once and queues the rest, each request with llama.cpp's plain greedy output (two threads: the
+    streams keep every batched row bitwise), instead of failing to find a sequence for the third."""
+    import threading
+
+    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=2))
+    draft_model = load_llama_draft(draft_gguf, target.settings)
+    finished: dict[int, tuple[list[int], str]] = {}
+    done = threading.Event()
+    rows = prompts([30, 25, 40, 35, 20], seed=45)
+
+    def collector(key: int):
+        tokens: list[int] = []
+
+        def on_event(event) -> None:
+            if isinstance(event, TokensEvent):
+                tokens.extend(event.tokens)
+            else:
+                finished[key] = (tokens, event.reason)
+                if len(finished) == len(rows):
+                    done.set()
+        return on_event
+
+    engine = Engine(SpeculativeDecoder(target, draft_model, num_draft_tokens=4), max_batch_size=32)
+    try:
+        assert engine.max_batch_size == target.max_rows == 2
+        engine.start()
+        for key, prompt in enumerate(rows):
+            engine.submit(EngineRequest(prompt, max_new_tokens=40), collector(key))
+        assert done.wait(300)
+        for key, prompt in enumerate(rows):
+            assert finished[key] == (greedy_reference(target, prompt, 40), "length"), key
+    finally:
+        engine.shutdown()
+        target.close()
+        draft_model.close()
+
+
+def test_the_default_kv_memory_is_a_stream_per_row_within_a_budget() -> None:
+    """By default every row has a KV stream of its own (bitwise in any batch) of 4096 tokens, unless that many
+    rows would hold more than 65536 cells: the budget is then shared out in multiples of 256 (at least 256). A
+    given ``n_ctx`` is each row's; the shared memory holds ``n_ctx`` in all."""
+    assert LlamaSettings().streams and LlamaSettings().n_seq_max == 8
+    assert [LlamaSettings(n_seq_max=n).row_ctx() for n in (1, 8, 16, 32, 48, 64, 300)] == [
+        4096, 4096, 4096, 2048, 1280, 1024, 256]
+    assert LlamaSettings(n_seq_max=32).kv_cells() == 65536
+    assert (LlamaSettings(n_ctx=1000, n_seq_max=4).kv_cells(), LlamaSettings(n_ctx=1000, n_seq_max=4).row_ctx()) == (
+        4000, 1000)
+    shared = LlamaSettings(n_seq_max=64, streams=False)
+    assert (shared.row_ctx(), shared.kv_cells()) == (4096, 4096)
 
 
 def test_the_llama_cpp_path_never_imports_transformers_modeling(tiny_gguf) -> None:

@@ -49,13 +49,15 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
                         help="threads for llama.cpp's kernels (default: every CPU this process may use; 1 lets drafts "
                              "be verified exactly in passes of several tokens, docs/llamacpp.md)")
-    parser.add_argument("--llama-streams", action="store_true", default=None,
-                        help="a KV stream of its own per row (--llama-ctx cells each, for each of the server's rows): "
-                             "with more than one llama.cpp thread, the only way rows batched together stay bitwise "
-                             "llama.cpp's plain decoding (docs/llamacpp.md)")
+    parser.add_argument("--llama-streams", action=argparse.BooleanOptionalAction, default=None,
+                        help="a KV stream of its own per row, --llama-ctx tokens each (the default: every row of any "
+                             "batch is bitwise llama.cpp's plain decoding); --no-llama-streams: one KV memory of "
+                             "--llama-ctx tokens shared by all rows (less memory; batched rows exact only up to "
+                             "the last bits of their logits, docs/llamacpp.md)")
     parser.add_argument("--llama-ctx", type=int, default=None, metavar="N",
-                        help="llama.cpp's KV memory in tokens, shared by every request in flight (default 4096; "
-                             "about 28 KB a token for the 1.5B target): raise it to serve many long prompts at once")
+                        help="llama.cpp's KV memory for each request in tokens, prompt and output (default 4096, or "
+                             "65536 shared out when more than 16 rows run at once: serve's 32 rows get 2048 each; "
+                             "about 28 KB a token for the 1.5B target)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",
@@ -138,14 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-tokens", type=int, default=0, help="EOS masked before this many tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     _add_debug_arg(gen)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, llama_rows=1)  # one prompt: KV memory for one row
 
     demo = sub.add_parser("demo", help="real model pair: target alone vs speculative, identical output, speed-up")
     _add_model_args(demo, draft_default="qwen2.5-coder-0.5b")
     demo.set_defaults(max_new_tokens=64)
     demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
     _add_debug_arg(demo)
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=cmd_demo, llama_rows=1)
 
     bat = sub.add_parser("batch", help="offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)")
     _add_model_args(bat, draft_default="qwen2.5-coder-0.5b")

@@ -21,6 +21,7 @@ from .common import (
     encode_prompt,
     gamma_arg,
     generate_streamed,
+    llama_settings,
     log,
     read_prompt,
     suffix_options,
@@ -38,7 +39,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)
     check_request_args(args, GENERATE_SAMPLING)
     check_model_args(args)
-    args.llama_rows = 1  # one prompt: llama.cpp's logits buffer for one row, not the server's 64 (37 MiB less)
     decoder, tokenizer = build_decoder(args, log if not args.json else (lambda m: None))
     prompt_ids = encode_prompt(tokenizer, prompt, args.chat)
     started = time.perf_counter()
@@ -163,7 +163,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
                         ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
                         gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
                         draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, num_draft_tokens=gamma,
-                        stop_drafting=args.stop_drafting, backend=args.backend, **suffix_options(args))
+                        stop_drafting=args.stop_drafting, backend=args.backend, llama_settings=llama_settings(args),
+                        **suffix_options(args))
     log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
@@ -194,7 +195,8 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
         load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
                       "cross_tokenizer": args.cross_tokenizer, "num_draft_tokens": gamma,
-                      "stop_drafting": args.stop_drafting, "backend": args.backend, **suffix_options(args)},
+                      "stop_drafting": args.stop_drafting, "backend": args.backend,
+                      "llama_settings": llama_settings(args), **suffix_options(args)},
         max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
         max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,

@@ -39,12 +39,12 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
 
 
 def llama_settings(args: argparse.Namespace):
-    """``LlamaSettings`` from ``--llama-threads``, ``--llama-ctx`` and ``--llama-streams`` (None: the backend's
-    defaults), and the most rows a command decodes at once: ``llama_rows`` (set by ``generate``: one; llama.cpp's
-    logits buffer is sized by it), else with streams the server's ``--max-batch-size`` (a stream per row)."""
-    rows = getattr(args, "llama_rows", None)
-    if rows is None and getattr(args, "llama_streams", None):
-        rows = getattr(args, "max_batch_size", None)
+    """``LlamaSettings`` from ``--llama-threads``, ``--llama-ctx`` and ``--llama-streams`` / ``--no-llama-streams``
+    and the most rows the command decodes at once (a KV stream per row, and llama.cpp's logits buffer, are sized by
+    it): ``llama_rows`` (one, for ``generate`` and ``demo``), else ``--max-batch-size`` (``serve``), else
+    ``--batch-size`` (``batch``); None when the command says none of these (the backend's defaults)."""
+    rows = next((value for value in (getattr(args, name, None) for name in ("llama_rows", "max_batch_size",
+                                                                              "batch_size")) if value), None)
     chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None),
               "n_seq_max": rows, "streams": getattr(args, "llama_streams", None)}
     chosen = {name: value for name, value in chosen.items() if value is not None}

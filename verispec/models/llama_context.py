@@ -58,31 +58,50 @@ def _lib():
     return llama_cpp
 
 
+DEFAULT_ROW_CTX = 4096  # a row's KV cells when ``n_ctx`` is not given ...
+KV_BUDGET = 65536  # ... unless that many rows would hold more cells than this: the budget is then shared out
+
+
 @dataclass(frozen=True)
 class LlamaSettings:
     """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking, llama.cpp's own default (one-token
     passes ~1.15-1.3x faster on K-quants; only passes of <= 3 rows are batch-invariant, against <= 7 without it,
     but a scoring pass costs ~0.6 of a one-token pass per extra token either way on a CPU, so the longer exact
     drafts buy no more: ``benchmarks/llamacpp/pass_cost.py``); ``flash_attn``: flash attention (off, the
-    attention is batch-variant from 2 rows); ``n_ctx``: KV cells shared by all rows (a row may use them all);
-    ``n_seq_max``: most rows at once; ``exact``: cut scoring passes to the probed invariant size; ``streams``: a
-    KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the memory) instead of one memory
-    shared by all rows. Flash attention sums a row's keys in the order of their cells: in a shared memory a row's
-    new token can land in a cell another row's rollback freed, before its older keys, which changes the last bits
-    of its logits (a single row, or ``streams``, keeps every row's cells in position order: bitwise llama.cpp's
-    plain decoding)."""
+    attention is batch-variant from 2 rows); ``n_seq_max``: most rows at once; ``n_ctx``: the KV cells a row may
+    use, its longest sequence (None: ``row_ctx``'s default); ``exact``: cut scoring passes to the probed invariant
+    size; ``streams`` (the default): a KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the
+    memory); off, one memory of ``n_ctx`` cells shared by all rows (less memory, but batched rows are exact only
+    up to the last bits of their logits). Flash attention sums a row's keys in the order of their cells, and on
+    more than one thread splits the KV window across the threads: in a shared memory a row's new token can land
+    in a cell another row's rollback freed, before its older keys, and its window spans every row's cells, which
+    changes the last bits of its logits. A stream per row keeps each row's cells in position order and its window
+    its own: every row of any batch is bitwise llama.cpp's plain decoding."""
 
-    n_ctx: int = 4096
+    n_ctx: int | None = None
     n_threads: int | None = None  # None: the CPUs this process may run on
     repack: bool = True
     flash_attn: bool = True
-    n_seq_max: int = 64
+    n_seq_max: int = 8
     n_batch: int = 512
     exact: bool = True
-    streams: bool = False
+    streams: bool = True
 
     def threads(self) -> int:
         return self.n_threads or len(os.sched_getaffinity(0))
+
+    def row_ctx(self) -> int:
+        """A row's KV cells: ``n_ctx``, else 4096, or with streams ``KV_BUDGET`` shared out when more than 16
+        rows would hold more (a multiple of 256, at least 256: serving 32 rows gives each 2048)."""
+        if self.n_ctx is not None:
+            return self.n_ctx
+        if not self.streams:
+            return DEFAULT_ROW_CTX
+        return max(256, min(DEFAULT_ROW_CTX, KV_BUDGET // self.n_seq_max // 256 * 256))
+
+    def kv_cells(self) -> int:
+        """The KV memory's cells in all (a stream per row: ``row_ctx`` each)."""
+        return self.row_ctx() * (self.n_seq_max if self.streams else 1)
 
 
 @dataclass(frozen=True)
@@ -119,7 +138,7 @@ class _Context:
         self.batch = lib.llama_batch_init(self.capacity, 0, 1)
         self.n_seq_max, self.unified = n_seq_max, unified
         self.cells = int(lib.llama_n_ctx_seq(self.ctx))  # KV cells of the memory (of each row's stream, unified off)
-        self.n_ctx = s.n_ctx
+        self.n_ctx = s.row_ctx()
 
     def full_memory(self) -> str:
         """What the memory holds, for the error that says it is full."""

@@ -1,7 +1,7 @@
 """The llama.cpp backend: a GGUF target on llama.cpp's CPU kernels behind the ``CachedLM`` contract.
 
-``LlamaModel`` holds the weights (``llama_model``) and one ``llama_context`` whose unified KV memory holds
-every row of every batch, one sequence id per row; ``LlamaCache`` (one per batch, as ``CachedLM``) owns the
+``LlamaModel`` holds the weights (``llama_model``) and one ``llama_context`` whose KV memory holds every row of
+every batch, one sequence id per row (by default a KV stream of its own per sequence; ``LlamaSettings``); ``LlamaCache`` (one per batch, as ``CachedLM``) owns the
 sequence ids of its rows:
 
 - ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]`` (or only the last
@@ -9,7 +9,7 @@ sequence ids of its rows:
 - ``rollback`` removes each row's rejected positions with ``llama_memory_seq_rm`` (per row, by its own count);
 - ``select_rows`` frees the dropped rows' sequences, ``append_rows`` takes over another cache's sequences
   (no copy: they already live in the shared memory);
-- ``room`` says how many more tokens the shared memory takes, so that a batch can end the rows that do not fit
+- ``room`` says how many more tokens a shared memory (``streams=False``) takes, so that a batch can end the rows that do not fit
   before a pass fails; a pass that fails anyway (``CacheFullError``) leaves the cache as it was before it.
 
 Exactness (``llama_context``: the binding's settings, contexts and the regime probe). ``probe_regime`` measures,
@@ -83,7 +83,7 @@ class LlamaModel:
         self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
         self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
         s = self.settings
-        self.context = _Context(self, s.n_ctx * (s.n_seq_max if s.streams else 1), s.n_seq_max, not s.streams)
+        self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.streams)
         self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
         self.regime = probe_regime(self) if probe else None
 
@@ -93,15 +93,20 @@ class LlamaModel:
         return self.n_vocab
 
     @property
+    def max_rows(self) -> int:
+        """The most rows decoded at once (``n_seq_max``): a server's batch is cut to it."""
+        return self.settings.n_seq_max
+
+    @property
     def max_positions(self) -> int:
         """A row's longest sequence: the context's cells (shared by all rows in flight)."""
-        return min(self.settings.n_ctx, self.n_ctx_train or self.settings.n_ctx)
+        return min(self.settings.row_ctx(), self.n_ctx_train or self.settings.row_ctx())
 
     @property
     def max_positions_reason(self) -> str:
-        if self.n_ctx_train and self.n_ctx_train < self.settings.n_ctx:
+        if self.n_ctx_train and self.n_ctx_train < self.settings.row_ctx():
             return f"the GGUF's context length is {self.n_ctx_train} tokens"
-        return f"the llama.cpp context holds {self.settings.n_ctx} tokens (load with a larger n_ctx)"
+        return f"the llama.cpp context holds {self.settings.row_ctx()} tokens a row (load with a larger n_ctx)"
 
     @property
     def pass_cap(self) -> int | None:
@@ -135,7 +140,8 @@ class LlamaModel:
         with self.lock:
             if count > len(self._free_seqs):
                 raise RuntimeError(f"the llama.cpp context holds at most {self.settings.n_seq_max} rows at once "
-                                   f"({len(self._free_seqs)} free, {count} asked); load with a larger n_seq_max")
+                                   f"({len(self._free_seqs)} free, {count} asked); load with a larger n_seq_max "
+                                   "(the command line: --max-batch-size when serving, --batch-size for a batch job)")
             return [self._free_seqs.pop() for _ in range(count)]
 
     def _release(self, seqs: Sequence[int]) -> None:
@@ -347,15 +353,22 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
     path, tokenizer = gguf_with_tokenizer(name_or_path, progress)
     settings = settings or LlamaSettings()
     say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
-                  f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, n_ctx {settings.n_ctx})")
+                  f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, {kv_layout(settings)})")
     model = LlamaModel(path, settings)
     say(progress, f"llama.cpp: {model.regime.reason}; "
                   f"{'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
-    if settings.threads() > 1 and settings.flash_attn and not settings.streams and settings.n_seq_max > 1:
-        say(progress, "llama.cpp: one KV memory shared by all rows on several threads: a row alone decodes bitwise as "
-                      "llama.cpp's plain loop, rows batched together only up to the last bits of their logits "
-                      "(streams=True / --llama-streams: bitwise in any batch, a KV stream per row)")
+    if not settings.streams and settings.n_seq_max > 1:
+        say(progress, "llama.cpp: one KV memory shared by all rows: a row alone decodes bitwise as llama.cpp's plain "
+                      "loop, rows batched together only up to the last bits of their logits (the default, "
+                      "streams=True / --llama-streams, is bitwise in any batch: a KV stream per row)")
     return model, tokenizer
+
+
+def kv_layout(settings: LlamaSettings) -> str:
+    """The KV memory in words, for the load messages."""
+    if settings.streams:
+        return (f"KV memory: a stream per row, {settings.n_seq_max} rows x {settings.row_ctx()} tokens")
+    return f"KV memory: {settings.row_ctx()} tokens shared by up to {settings.n_seq_max} rows"
 
 
 def draft_settings(target: LlamaSettings) -> LlamaSettings:
@@ -371,5 +384,5 @@ def load_llama_draft(path: str | os.PathLike, target: LlamaSettings, progress=No
 
     settings = draft_settings(target)
     say(progress, f"loading {Path(path).name} on llama.cpp for the draft (repack on, passes not cut: the target "
-                  f"verifies every token; {settings.threads()} threads, n_ctx {settings.n_ctx})")
+                  f"verifies every token; {settings.threads()} threads, {kv_layout(settings)})")
     return LlamaModel(path, settings, probe=False)

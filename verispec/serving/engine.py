@@ -66,9 +66,12 @@ class Engine:
 
     def __init__(self, decoder: SpeculativeDecoder, max_batch_size: int = 32,
                  max_rows_per_group: int | None = None) -> None:
-        """``max_rows_per_group``: the most slots one group's requests hold at once (default: every slot)."""
+        """``max_rows_per_group``: the most slots one group's requests hold at once (default: every slot). A
+        target that holds a fixed number of rows (``max_rows``: a llama.cpp context's sequences) cuts
+        ``max_batch_size`` to it."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        max_batch_size = min(max_batch_size, getattr(getattr(decoder, "target_model", None), "max_rows", None) or max_batch_size)
         if max_rows_per_group is not None and max_rows_per_group < 1:
             raise ValueError(f"max_rows_per_group must be >= 1, got {max_rows_per_group}")
         self.decoder = decoder

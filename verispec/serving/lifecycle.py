@@ -146,7 +146,7 @@ def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port:
         say(warning)
     engine.start()
     try:
-        say(f"serving {model_name} on http://{host}:{port}/v1 (context {context}, batch up to {max_batch_size}, "
+        say(f"serving {model_name} on http://{host}:{port}/v1 (context {context}, batch up to {engine.max_batch_size}, "
             f"{rows} per request; {'API key required' if options.api_keys else 'no API key'})")
         server.run()
     finally:
