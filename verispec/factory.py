@@ -229,7 +229,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
-    if calibrate and decoder.drafter is not None:
+    if calibrate and decoder.drafter is not None and not decoder.one_token_passes:
         say(progress, "calibrating: timing a few steps at draft lengths "
                       f"{', '.join(map(str, CALIBRATION_LENGTHS))} (so the first call is priced)")
         report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])

@@ -87,7 +87,8 @@ def run_verispec(args) -> dict:
     from verispec.factory import load
     from verispec.models.llamacpp import LlamaSettings, greedy_reference
 
-    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, exact=not args.inexact)
+    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, exact=not args.inexact,
+                             n_seq_max=1)  # one prompt at a time, as `verispec generate`
     decoders = {}
     t0 = time.perf_counter()
     on_torch = args.torch_dtype is not None

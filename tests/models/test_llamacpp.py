@@ -212,6 +212,29 @@ def test_more_than_one_thread_caps_passes_at_one_token(tiny_gguf):
         model.close()
 
 
+def test_auto_never_drafts_where_each_drafted_token_costs_a_pass(tiny_gguf):
+    """At a cap of one token per pass k drafts cost k + 1 passes, which commit at most k + 1 tokens: the
+    controller ("auto", the default) runs the target alone there (no exploration, no calibration), which is
+    llama.cpp's plain decoding; a fixed draft length still drafts, exactly."""
+    from verispec.decode.calibrate import calibrate
+    from verispec.drafters import NGramDrafter
+
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=2))
+    try:
+        assert model.pass_cap == 1
+        rows = [p * 3 for p in prompts([20, 30], seed=47)]  # repeated text: prompt lookup finds drafts
+        auto = SpeculativeDecoder(model, drafter=NGramDrafter())
+        assert auto.one_token_passes and not calibrate(auto, rows[0]).step_seconds
+        out = auto.generate(rows, max_new_tokens=30)
+        assert out.stats.draft_tokens == 0
+        fixed = auto.generate(rows, max_new_tokens=30, num_draft_tokens=3)
+        assert fixed.stats.draft_tokens > 0
+        for b, prompt in enumerate(rows):
+            assert out.tokens[b] == fixed.tokens[b] == greedy_reference(model, prompt, 30), b
+    finally:
+        model.close()
+
+
 def test_the_probe_looks_past_the_split_key_threshold():
     """ggml's flash attention splits a single query's keys across threads once the KV window reaches 512 cells
     (cached tokens past 255): a probe at short contexts only would miss it (it did: the 1.5B Q4_K_M passes of
@@ -797,6 +820,29 @@ def test_the_engine_batch_is_cut_to_the_rows_llama_cpp_holds(tiny_gguf, draft_gg
         engine.shutdown()
         target.close()
         draft_model.close()
+
+
+def test_a_batch_job_on_a_gguf_target_holds_a_stream_for_each_row_of_a_group(tiny_gguf, tmp_path) -> None:
+    """``run_batch`` on a llama.cpp target sizes the context by its groups (12 rows here, more than the library's
+    default 8): every row is written with llama.cpp's plain greedy output, none fails for want of a sequence."""
+    import json
+
+    from verispec.offline import run_batch
+
+    rows = prompts([12, 9, 15, 7, 11, 14, 8, 10, 13, 6, 9, 12], seed=46)
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"prompt": row, "max_tokens": 24}) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(str(tiny_gguf[0]), "ngram", input_path=source, output_path=out, batch_size=12,
+                        progress=False, backend="llama.cpp")
+    assert (summary.written, summary.errors) == (12, 0)
+    written = {row["input_index"]: row for row in map(json.loads, out.read_text().splitlines())}
+    reference = LlamaModel(tiny_gguf[0], LlamaSettings(n_seq_max=1))
+    try:
+        for index, prompt in enumerate(rows):
+            assert written[index]["tokens"] == greedy_reference(reference, prompt, 24, reference.eos_ids), index
+    finally:
+        reference.close()
 
 
 def test_the_default_kv_memory_is_a_stream_per_row_within_a_budget() -> None:

@@ -71,10 +71,11 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
               steps: int = CALIBRATION_STEPS) -> Calibration:
     """Time ``steps`` greedy batch-1 steps of ``decoder`` at each draft length in ``lengths`` (clipped to its
     most, duplicates dropped) on ``prompt_ids``, feeding the decoder's own speculation controller. A decoder
-    without a drafter, or with a fixed draft length (its controller never chooses), is left as it is."""
+    without a drafter, with a fixed draft length (its controller never chooses), or whose target verifies one
+    token per pass ("auto" never drafts there), is left as it is."""
     report = Calibration()
     policy = decoder.gamma_policy
-    if decoder.drafter is None or not hasattr(policy, "max_gamma") or not prompt_ids:
+    if decoder.drafter is None or not hasattr(policy, "max_gamma") or not prompt_ids or decoder.one_token_passes:
         return report
     start = time.perf_counter()
     todo = sorted({min(max(k, 0), policy.max_gamma) for k in lengths})

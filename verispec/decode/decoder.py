@@ -191,6 +191,9 @@ class SpeculativeDecoder:
         # cost and acceptance are not the default draft's), keyed weakly so a dropped draft frees its entry.
         self.controller = _new_controller(self.drafter)
         self._controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # A target that verifies one token per pass (llama.cpp on several threads: models/llamacpp.py) scores k
+        # drafts in k + 1 passes, which commit at most k + 1 tokens: "auto" then never drafts there.
+        self.one_token_passes = getattr(target_model, "pass_cap", None) == 1
 
     @property
     def vocab_size(self) -> int:
@@ -238,10 +241,12 @@ class SpeculativeDecoder:
         length, or the timing-free heuristic schedule in place of "auto")."""
         explicit = num_draft_tokens is not None
         policy = make_gamma_policy(num_draft_tokens) if explicit else self.gamma_policy
+        if isinstance(policy, AutoGamma) and self.one_token_passes:
+            policy = AutoGamma(max_gamma=0)  # each drafted token would cost a target pass: drafting never pays
         pinned = not explicit and not isinstance(policy, AutoGamma)
         if request.seeded and not request.sampling.greedy:
             pinned = True
-            if isinstance(policy, AutoGamma):
+            if isinstance(policy, AutoGamma) and policy.max_gamma > 0:
                 policy = HeuristicGamma()
         rows = request.rows(policy, keys, on_tokens)
         controller = self.controller_for(draft)

@@ -355,8 +355,11 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
     say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
                   f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, {kv_layout(settings)})")
     model = LlamaModel(path, settings)
-    say(progress, f"llama.cpp: {model.regime.reason}; "
-                  f"{'scoring passes cut to that size' if settings.exact else 'passes NOT cut (exact=False)'}")
+    cut = "scoring passes cut to that size" if settings.exact else "passes NOT cut (exact=False)"
+    if model.pass_cap == 1:
+        cut += ("; a drafted token would cost a pass of its own, so the speculation controller ('auto') runs the "
+                "target alone (--llama-threads 1 allows longer passes)")
+    say(progress, f"llama.cpp: {model.regime.reason}; {cut}")
     if not settings.streams and settings.n_seq_max > 1:
         say(progress, "llama.cpp: one KV memory shared by all rows: a row alone decodes bitwise as llama.cpp's plain "
                       "loop, rows batched together only up to the last bits of their logits (the default, "

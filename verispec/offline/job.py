@@ -61,7 +61,8 @@ def run_batch(target: str, draft: str | None = None, *, input_path: str | os.Pat
     in-process, as does any ``workers`` when Ray is not installed. Greedy and seeded rows give the same tokens
     however many workers run and whether the job was interrupted, since a row's batch is its input group.
     ``load_options`` go to ``verispec.load`` (``num_draft_tokens`` defaults to "heuristic" here: a schedule that
-    reads no timings, so even greedy rows decode in the same blocks on every run).
+    reads no timings, so even greedy rows decode in the same blocks on every run; ``llama_settings`` to
+    ``LlamaSettings(n_seq_max=batch_size)``, a llama.cpp target's rows).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -69,6 +70,10 @@ def run_batch(target: str, draft: str | None = None, *, input_path: str | os.Pat
         raise ValueError(f"workers must be >= 1, got {workers}")
     defaults = defaults or JobDefaults()
     load_options.setdefault("num_draft_tokens", "heuristic")
+    if load_options.get("llama_settings") is None:  # on llama.cpp: a KV stream for each row of a group
+        from ..models.llama_context import LlamaSettings
+
+        load_options["llama_settings"] = LlamaSettings(n_seq_max=batch_size)
     rows = read_rows(input_path)
     output = OutputFile(output_path)
     done = output.written()
