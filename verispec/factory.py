@@ -205,6 +205,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
         if fast and prepack_linears(target_model):
             say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
+    if _draft_cannot_pay(target_model, draft, decoder_options):
+        say(progress, f"draft: {draft} not loaded: the target verifies one token per pass here (llama.cpp on "
+                      f"{target_model.settings.threads()} threads), so no draft can pay and 'auto' never drafts "
+                      "(--llama-threads 1, or a fixed --num-draft-tokens, to draft)")
+        draft = None
     drafter, draft_model = None, None
     if draft == "ngram":
         drafter = NGramDrafter()
@@ -237,6 +242,13 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
             say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "
                           + ", ".join(f"{k} drafts {t:.2f}" for k, t in report.tokens_per_step.items()))
     return decoder, tokenizer
+
+
+def _draft_cannot_pay(target_model: Any, draft: str | None, decoder_options: dict[str, Any]) -> bool:
+    """A draft *model* (not a free drafter) beside a target that verifies one token per pass, under "auto": it
+    would never draft, so loading it would only cost memory (its weights, and a KV stream per row)."""
+    return (draft not in (None, "none", "ngram") and getattr(target_model, "pass_cap", None) == 1
+            and decoder_options.get("num_draft_tokens", "auto") == "auto")
 
 
 def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase]:

@@ -5,7 +5,8 @@
 Each command runs as its own process (peak RSS from ``os.wait4``, as ``bench.py`` measures its tools), on one
 prompt of the repetitive workload (``benchmarks/suffix/bench.py``'s first edit), same GGUF files, threads and
 context size: ``verispec generate --backend llama.cpp`` with no draft, ``--draft suffix``, ``--draft ngram`` and
-``--draft qwen2.5-coder-0.5b`` (the GGUF draft on llama.cpp), against ``llama-bench`` (plain decoding) and
+``--draft qwen2.5-coder-0.5b --num-draft-tokens 4`` (the GGUF draft on llama.cpp; a fixed length, since with
+"auto" on several threads the draft is not loaded at all), against ``llama-bench`` (plain decoding) and
 ``llama-speculative-simple`` with ``--spec-type ngram-simple`` and ``draft-simple`` (the 0.5B draft). The issue's
 goal: verispec's peak RSS at most 1.2x llama.cpp's own for the same work. Writes JSON and prints a table.
 """
@@ -54,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         "verispec generate (no draft)": verispec + ["--draft", "none"],
         "verispec generate --draft suffix": verispec + ["--draft", "suffix"],
         "verispec generate --draft ngram": verispec + ["--draft", "ngram"],
-        f"verispec generate --draft {args.draft_model}": verispec + ["--draft", args.draft_model],
+        # A fixed draft length: with "auto" on several threads (one token per pass) the draft model is not even
+        # loaded, since it could never pay; fixed, it is loaded and drafts, as llama.cpp's draft-simple does.
+        f"verispec generate --draft {args.draft_model} --num-draft-tokens 4": verispec + [
+            "--draft", args.draft_model, "--num-draft-tokens", "4"],
         "llama-bench (plain)": [str(Path(args.bin) / "llama-bench"), "-m", gguf, "-p", "0", "-n",
                                 str(args.max_new_tokens), "-t", str(args.threads), "-fa", "1", "-r", "1"],
         "llama-speculative-simple ngram-simple": [str(Path(args.bin) / "llama-speculative-simple"), *llama_common,
@@ -75,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [("verispec generate --draft suffix", "llama-speculative-simple ngram-simple"),
              ("verispec generate --draft ngram", "llama-speculative-simple ngram-simple"),
              ("verispec generate (no draft)", "llama-bench (plain)"),
-             (f"verispec generate --draft {args.draft_model}", "llama-speculative-simple draft-simple")]
+             (f"verispec generate --draft {args.draft_model} --num-draft-tokens 4",
+              "llama-speculative-simple draft-simple")]
     results["ratios"] = {f"{a} / {b}": runs[a]["peak_rss_gb"] / runs[b]["peak_rss_gb"] for a, b in pairs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -235,6 +235,25 @@ def test_auto_never_drafts_where_each_drafted_token_costs_a_pass(tiny_gguf):
         model.close()
 
 
+def test_a_draft_model_that_cannot_pay_is_not_loaded(tiny_gguf, draft_gguf):
+    """Beside a target that verifies one token per pass, under "auto", a draft model would never draft: the
+    factory does not load it (no weights, no KV streams) and says why; suffix+MODEL keeps its suffix part, free
+    drafters stay; a fixed draft length still loads the model (the factory test above)."""
+    from verispec.drafters import SuffixDrafter
+    from verispec.factory import load
+
+    settings = LlamaSettings(n_ctx=256, n_seq_max=2, n_threads=2)
+    for draft, kind in ((str(draft_gguf), type(None)), (f"suffix+{draft_gguf}", SuffixDrafter)):
+        said: list[str] = []
+        decoder, _ = load(str(tiny_gguf[0]), draft, llama_settings=settings, progress=said.append)
+        try:
+            assert decoder.one_token_passes and isinstance(decoder.drafter, kind), draft
+            assert any("not loaded" in line and "no draft can pay" in line for line in said), said
+            assert not any("calibrat" in line for line in said), said
+        finally:
+            decoder.target_model.close()
+
+
 def test_the_probe_looks_past_the_split_key_threshold():
     """ggml's flash attention splits a single query's keys across threads once the KV window reaches 512 cells
     (cached tokens past 255): a probe at short contexts only would miss it (it did: the 1.5B Q4_K_M passes of
@@ -498,7 +517,8 @@ def test_factory_runs_a_gguf_draft_on_llama_cpp_beside_the_target(tiny_gguf, dra
         target.close()
         draft_model.close()
 
-    decoder, _ = load(str(tiny_gguf[0]), f"suffix+{draft_gguf}", calibrate=False, llama_settings=settings)
+    decoder, _ = load(str(tiny_gguf[0]), f"suffix+{draft_gguf}", calibrate=False, llama_settings=settings,
+                      num_draft_tokens=3)
     try:
         assert isinstance(decoder.drafter, CompositeDrafter)
         assert isinstance(decoder.drafter.model.model, LlamaModel)
@@ -510,7 +530,8 @@ def test_factory_runs_a_gguf_draft_on_llama_cpp_beside_the_target(tiny_gguf, dra
     draft.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     said.clear()
-    decoder, _ = load(str(tiny_gguf[0]), str(folder), calibrate=False, llama_settings=settings, progress=said.append)
+    decoder, _ = load(str(tiny_gguf[0]), str(folder), calibrate=False, llama_settings=settings, progress=said.append,
+                      num_draft_tokens=3)
     try:
         assert isinstance(decoder.drafter.model, torch.nn.Module)
         assert any("on torch" in line for line in said), said
