@@ -1,16 +1,17 @@
 """The llama.cpp backend: a GGUF target on llama.cpp's CPU kernels behind the ``CachedLM`` contract.
 
 ``LlamaModel`` holds the weights (``llama_model``) and one ``llama_context`` whose KV memory holds every row of
-every batch, one sequence id per row (by default a KV stream of its own per sequence; ``LlamaSettings``); ``LlamaCache`` (one per batch, as ``CachedLM``) owns the
-sequence ids of its rows:
+every batch, one sequence id per row (by default a KV stream of its own per sequence; ``LlamaSettings``);
+``LlamaCache`` (one per batch, as ``CachedLM``) owns the sequence ids of its rows:
 
 - ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]`` (or only the last
   ``num_logits`` columns, the only ones llama.cpp is then asked for);
 - ``rollback`` removes each row's rejected positions with ``llama_memory_seq_rm`` (per row, by its own count);
 - ``select_rows`` frees the dropped rows' sequences, ``append_rows`` takes over another cache's sequences
-  (no copy: they already live in the shared memory);
-- ``room`` says how many more tokens a shared memory (``streams=False``) takes, so that a batch can end the rows that do not fit
-  before a pass fails; a pass that fails anyway (``CacheFullError``) leaves the cache as it was before it.
+  (no copy: they already live in the model's context);
+- ``room`` says how many more tokens a shared memory (``streams=False``) takes, so that a batch can end the rows
+  that do not fit before a pass fails; a pass that fails anyway (``CacheFullError``) leaves the cache as it was
+  before it.
 
 Exactness (``llama_context``: the binding's settings, contexts and the regime probe). ``probe_regime`` measures,
 once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build, CPU and
@@ -99,7 +100,7 @@ class LlamaModel:
 
     @property
     def max_positions(self) -> int:
-        """A row's longest sequence: the context's cells (shared by all rows in flight)."""
+        """A row's longest sequence: its cells (``LlamaSettings.row_ctx``), at most the GGUF's context length."""
         return min(self.settings.row_ctx(), self.n_ctx_train or self.settings.row_ctx())
 
     @property
@@ -370,7 +371,8 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
 def kv_layout(settings: LlamaSettings) -> str:
     """The KV memory in words, for the load messages."""
     if settings.streams:
-        return (f"KV memory: a stream per row, {settings.n_seq_max} rows x {settings.row_ctx()} tokens")
+        rows = f"{settings.n_seq_max} row{'s' if settings.n_seq_max != 1 else ''}"
+        return f"KV memory: a stream per row, {rows} x {settings.row_ctx()} tokens"
     return f"KV memory: {settings.row_ctx()} tokens shared by up to {settings.n_seq_max} rows"
 
 
