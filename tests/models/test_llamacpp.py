@@ -586,7 +586,7 @@ def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
 
     settings = LlamaSettings(n_ctx=512, n_seq_max=2, streams=True)
     decoder, tokenizer = load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", calibrate=False,
-                              llama_settings=settings)
+                              llama_settings=settings, num_draft_tokens=4)  # fixed: loaded on any thread count
     target, draft_model = decoder.target_model, decoder.drafter.model
     try:
         assert isinstance(draft_model, LlamaModel)
