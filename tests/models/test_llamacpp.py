@@ -843,6 +843,27 @@ def test_the_engine_batch_is_cut_to_the_rows_llama_cpp_holds(tiny_gguf, draft_gg
         draft_model.close()
 
 
+def test_filler_past_a_rows_last_cell_takes_no_cell(tiny_gguf) -> None:
+    """A row near the end of its stream scores a block as wide as another row's drafts: the columns past its last
+    cell are filler (its own drafts stay within its budget), so they get zero logits and no cell instead of a full
+    stream; the columns within it score as the row alone, and a rollback of the block keeps the row's length right."""
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=2))
+    try:
+        prompt, more = prompts([254, 4], seed=51)
+        cache = model.new_cache()
+        cache.reset(1)
+        cache.prefill([prompt])
+        block = torch.tensor([[prompt[-1], *more]])  # positions 253..257 of a 256-cell stream
+        out = cache.forward(block, torch.ones_like(block, dtype=torch.bool), torch.zeros_like(block))  # [1, 5, V]
+        assert torch.equal(out[0, :3], decode_alone(model, prompt, more[:2]))
+        assert not out[0, 3:].any() and cache.rows[0].length == 256
+        cache.rollback([2], 5)  # keep the last token and one draft: two cells of the block stay
+        assert cache.rows[0].length == 255 and model.context.used_cells() == 255
+        cache.select_rows([])
+    finally:
+        model.close()
+
+
 def test_a_batch_job_on_a_gguf_target_holds_a_stream_for_each_row_of_a_group(tiny_gguf, tmp_path) -> None:
     """``run_batch`` on a llama.cpp target sizes the context by its groups (12 rows here, more than the library's
     default 8): every row is written with llama.cpp's plain greedy output, none fails for want of a sequence."""

@@ -232,10 +232,13 @@ class LlamaCache:
                 num_logits: int | None = None) -> torch.Tensor:
         """Append each row's unmasked tokens (positions continue the row's own) and return float32 logits
         ``[B, num_logits or n, V]`` (zeros at masked columns); llama.cpp computes logits for those columns only.
-        Scoring passes are cut to ``model.pass_cap``. If a call fails (``CacheFullError``: no KV cells left), the
-        cache is as it was before: the tokens earlier calls of this pass appended are removed again."""
+        Scoring passes are cut to ``model.pass_cap``. Columns past a row's last cell (``max_positions``) are filler
+        of a wider block than the row's own (its drafts stay within its budget): they get zero logits and no cell.
+        If a call fails (``CacheFullError``: no KV cells left), the cache is as it was before: the tokens earlier
+        calls of this pass appended are removed again."""
         ids, mask = input_ids.tolist(), input_mask.tolist()  # [B, n]
         n = len(ids[0]) if ids else 0
+        limit = self.model.max_positions  # a row's last cell; past it only filler columns (zero logits, not stored)
         first_out = n - min(num_logits, n) if num_logits else 0  # the first column whose logits are returned
         logits = np.zeros((len(self.rows), n - first_out, self.model.n_vocab), dtype=np.float32)  # [B, n', V]
         work: list[tuple[int, int, int, int]] = []  # (row, column, token, position) of the scoring passes
@@ -256,6 +259,9 @@ class LlamaCache:
                         row.opening = None
                         row.length += 1
                     for j in columns:
+                        if row.length >= limit:  # a row scores at most its budget: the rest is the block's filler
+                            mask[b][j] = False
+                            continue
                         work.append((b, j, ids[b][j], row.length))
                         row.length += 1
                 step = min(self.model.pass_cap or context.capacity, context.capacity)
