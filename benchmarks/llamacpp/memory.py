@@ -25,6 +25,17 @@ from bench import run_tool  # noqa: E402  (llamacpp/bench.py)
 from run import cpu_name, log  # noqa: E402
 
 
+def repetitive_prompts() -> list[dict]:
+    """``benchmarks/suffix/bench.py``'s repetitive workload (loaded by path: that folder's ``bench`` module has the
+    name of this folder's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("suffix_bench", HERE.parent / "suffix" / "bench.py")
+    suffix_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suffix_bench)
+    return suffix_bench.repetitive_prompts()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -36,14 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "memory.json")
     args = parser.parse_args(argv)
 
-    import importlib.util
-
     from verispec.models.sources import gguf_source  # the zoo's files, as `verispec generate` finds them
 
-    spec = importlib.util.spec_from_file_location("suffix_bench", HERE.parent / "suffix" / "bench.py")
-    suffix_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suffix_bench)
-    messages = suffix_bench.repetitive_prompts()[0]["messages"]
+    messages = repetitive_prompts()[0]["messages"]
     text = messages[0]["content"]  # both tools get the same raw text (no chat template: llama.cpp's tools take text)
 
     gguf, draft_gguf = str(gguf_source(args.target)[0]), str(gguf_source(args.draft_model)[0])

@@ -25,7 +25,9 @@ from pathlib import Path
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
+from memory import repetitive_prompts  # noqa: E402  (llamacpp/memory.py)
 from run import cpu_name, log  # noqa: E402
 
 LAYOUTS = {
@@ -99,12 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "serve_memory.json")
     args = parser.parse_args(argv)
 
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("suffix_bench", HERE.parent / "suffix" / "bench.py")
-    suffix_bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(suffix_bench)
-    messages = [p["messages"] for p in suffix_bench.repetitive_prompts()]
+    messages = [p["messages"] for p in repetitive_prompts()]
 
     results = {"machine": cpu_name(), "threads": args.threads, "clients": args.clients,
                "command": " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]]), "layouts": {}}
