@@ -55,9 +55,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 300) -> None:
+def wait_healthy(url: str, timeout: float = 300, process: subprocess.Popen | None = None) -> None:
+    """Poll ``/health`` until the server answers; ``process``: the server's, whose exit ends the wait at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return

@@ -28,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from memory import repetitive_prompts  # noqa: E402  (llamacpp/memory.py)
+from ray_serve import wait_healthy  # noqa: E402
 from run import cpu_name, log  # noqa: E402
 
 LAYOUTS = {
@@ -45,28 +46,13 @@ def peak_rss(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def wait_ready(url: str, server: subprocess.Popen, deadline_s: float) -> None:
-    """Poll ``/health`` until the server answers (or fail when it exits or the deadline passes)."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server was not ready within {deadline_s:.0f} s")
-
-
 def measure(flags: list[str], args, messages: list[list[dict]], port: int) -> dict:
     command = [sys.executable, "-m", "verispec", "serve", "--target", args.target, "--backend", "llama.cpp",
                "--draft", "suffix", "--llama-threads", str(args.threads), "--port", str(port), *flags]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, server, 600)
+        wait_healthy(url, 600, server)
         loaded = peak_rss(server.pid)
 
         def ask(i: int) -> dict:
