@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .decode import SpeculativeDecoder
+from .decode.decoder import verifies_one_token_per_pass
 from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.integrity import Progress, ZooError, say
 from .models.loading import LoadError, load_model, parse_device, parse_model_dtype, same_tokenizer
 from .models.sources import check_source, is_gguf
-from .policy import make_gamma_policy
+from .policy import AutoGamma, make_gamma_policy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -247,8 +248,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
 def _draft_cannot_pay(target_model: Any, draft: str | None, decoder_options: dict[str, Any]) -> bool:
     """A draft *model* (not a free drafter) beside a target that verifies one token per pass, under "auto": it
     would never draft, so loading it would only cost memory (its weights, and a KV stream per row)."""
-    return (draft not in (None, "none", "ngram") and getattr(target_model, "pass_cap", None) == 1
-            and decoder_options.get("num_draft_tokens", "auto") == "auto")
+    return (draft not in (None, "none", "ngram") and verifies_one_token_per_pass(target_model)
+            and isinstance(make_gamma_policy(decoder_options.get("num_draft_tokens", "auto")), AutoGamma))
 
 
 def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase]:

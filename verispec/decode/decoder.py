@@ -45,6 +45,12 @@ if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
 
 
+def verifies_one_token_per_pass(target_model: object) -> bool:
+    """A target whose exact passes hold one token (llama.cpp on several threads: ``models/llamacpp.py``): k drafts
+    cost k + 1 passes, which commit at most k + 1 tokens, so "auto" never drafts beside it."""
+    return getattr(target_model, "pass_cap", None) == 1
+
+
 def _is_model(draft: object) -> bool:
     """A draft model: a transformers model or a backend's (llama.cpp's ``LlamaModel``)."""
     if hasattr(draft, "new_cache"):
@@ -191,9 +197,7 @@ class SpeculativeDecoder:
         # cost and acceptance are not the default draft's), keyed weakly so a dropped draft frees its entry.
         self.controller = _new_controller(self.drafter)
         self._controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # A target that verifies one token per pass (llama.cpp on several threads: models/llamacpp.py) scores k
-        # drafts in k + 1 passes, which commit at most k + 1 tokens: "auto" then never drafts there.
-        self.one_token_passes = getattr(target_model, "pass_cap", None) == 1
+        self.one_token_passes = verifies_one_token_per_pass(target_model)  # then "auto" never drafts
 
     @property
     def vocab_size(self) -> int:
