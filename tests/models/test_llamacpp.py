@@ -757,47 +757,55 @@ def test_a_prompt_the_memory_cannot_take_ends_alone(small_pair):
     assert out.tokens[:2] == [greedy_reference(target, p, 20) for p in rows[:2]]
 
 
-def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
-    """Through the server's engine: the requests that do not fit end with an error naming n_ctx (the server
-    reports it on that request's choice), the others finish with the plain loop's output, and the engine goes
-    on serving."""
-    import threading
+class EngineResults:
+    """What an engine's requests ended with, by key: ``(tokens, finish reason, error)``; ``done`` is set once
+    ``expected`` requests have ended."""
 
-    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+    def __init__(self, expected: int) -> None:
+        import threading
 
-    target, draft_model = small_pair
-    finished: dict[int, tuple] = {}
-    done = threading.Event()
+        self.expected, self.finished, self.done = expected, {}, threading.Event()
 
-    def collector(key: int, requests: int):
+    def collector(self, key: int):
+        """The ``on_event`` callback of request ``key``."""
+        from verispec.serving.engine import TokensEvent
+
         tokens: list[int] = []
 
         def on_event(event) -> None:
             if isinstance(event, TokensEvent):
                 tokens.extend(event.tokens)
             else:
-                finished[key] = (tokens, event.reason, event.error)
-                if len(finished) == requests:
-                    done.set()
+                self.finished[key] = (tokens, event.reason, event.error)
+                if len(self.finished) == self.expected:
+                    self.done.set()
         return on_event
 
+
+def test_engine_ends_only_the_requests_a_full_memory_cannot_take(small_pair):
+    """Through the server's engine: the requests that do not fit end with an error naming n_ctx (the server
+    reports it on that request's choice), the others finish with the plain loop's output, and the engine goes
+    on serving."""
+    from verispec.serving.engine import Engine, EngineRequest
+
+    target, draft_model = small_pair
     engine = Engine(SpeculativeDecoder(target, draft_model, num_draft_tokens=4), max_batch_size=4)
     engine.start()
     try:
         rows = prompts([30, 25, 40, 35], seed=44)
+        results = EngineResults(4)
         for key, prompt in enumerate(rows):
-            engine.submit(EngineRequest(prompt, max_new_tokens=80), collector(key, 4))
-        assert done.wait(300)
+            engine.submit(EngineRequest(prompt, max_new_tokens=80), results.collector(key))
+        assert results.done.wait(300)
         for key in (0, 1):
-            assert finished[key] == (greedy_reference(target, rows[key], 80), "length", None)
+            assert results.finished[key] == (greedy_reference(target, rows[key], 80), "length", None)
         for key in (2, 3):
-            tokens, reason, error = finished[key]
+            tokens, reason, error = results.finished[key]
             assert reason == "error" and "n_ctx=256" in error
             assert tokens == greedy_reference(target, rows[key], 80)[: len(tokens)]
-        done.clear()
-        finished.clear()
-        engine.submit(EngineRequest(rows[3], max_new_tokens=80), collector(0, 1))  # alone it fits
-        assert done.wait(120) and finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
+        alone = EngineResults(1)
+        engine.submit(EngineRequest(rows[3], max_new_tokens=80), alone.collector(0))  # alone it fits
+        assert alone.done.wait(120) and alone.finished[0] == (greedy_reference(target, rows[3], 80), "length", None)
     finally:
         engine.shutdown()
 
@@ -806,37 +814,21 @@ def test_the_engine_batch_is_cut_to_the_rows_llama_cpp_holds(tiny_gguf, draft_gg
     """A context holds ``n_seq_max`` rows (a KV stream each): a server asked for a larger batch runs at most that
     many rows at once and queues the rest, each request with llama.cpp's plain greedy output (two threads: the
     streams keep every batched row bitwise), instead of failing to find a sequence for the third."""
-    import threading
-
-    from verispec.serving.engine import Engine, EngineRequest, TokensEvent
+    from verispec.serving.engine import Engine, EngineRequest
 
     target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=2))
     draft_model = load_llama_draft(draft_gguf, target.settings)
-    finished: dict[int, tuple[list[int], str]] = {}
-    done = threading.Event()
     rows = prompts([30, 25, 40, 35, 20], seed=45)
-
-    def collector(key: int):
-        tokens: list[int] = []
-
-        def on_event(event) -> None:
-            if isinstance(event, TokensEvent):
-                tokens.extend(event.tokens)
-            else:
-                finished[key] = (tokens, event.reason)
-                if len(finished) == len(rows):
-                    done.set()
-        return on_event
-
+    results = EngineResults(len(rows))
     engine = Engine(SpeculativeDecoder(target, draft_model, num_draft_tokens=4), max_batch_size=32)
     try:
         assert engine.max_batch_size == target.max_rows == 2
         engine.start()
         for key, prompt in enumerate(rows):
-            engine.submit(EngineRequest(prompt, max_new_tokens=40), collector(key))
-        assert done.wait(300)
+            engine.submit(EngineRequest(prompt, max_new_tokens=40), results.collector(key))
+        assert results.done.wait(300)
         for key, prompt in enumerate(rows):
-            assert finished[key] == (greedy_reference(target, prompt, 40), "length"), key
+            assert results.finished[key] == (greedy_reference(target, prompt, 40), "length", None), key
     finally:
         engine.shutdown()
         target.close()
