@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.clients} clients at once, {results['machine']}, {args.threads} threads\n")
     print("| layout | peak RSS | after load | finish reasons |\n|---|---|---|---|")
     for name, r in results["layouts"].items():
-        reasons = ", ".join(f"{reason} {r['finish_reasons'].count(reason)}" for reason in sorted(set(r["finish_reasons"])))
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(Counter(r["finish_reasons"]).items()))
         print(f"| {name} | {r['peak_rss_bytes'] / 1e9:.2f} GB | {r['rss_after_load_bytes'] / 1e9:.2f} GB | {reasons} |")
     return 0
 
