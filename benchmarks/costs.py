@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from verispec.models.sources import load_pretrained
+from verispec.models import load_model
 from verispec.models.cache import CachedLM
 from verispec.models.fast import prepack_linears, quantize_draft
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ks = list(range(1, args.max_k + 1))
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
 
-    target, tokenizer = load_pretrained(args.target, dtype="float32", progress=log)
+    target, tokenizer = load_model(args.target, dtype="float32", progress=log)
     context = tokenizer(CONTEXT * 3)["input_ids"]
     results: dict[str, dict] = {}
     log("timing target (plain)")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     results["target_packed"] = time_forward(target, context, ks, args.repeats)
     del target
 
-    draft, _ = load_pretrained(args.draft, dtype="float32", progress=log)
+    draft, _ = load_model(args.draft, dtype="float32", progress=log)
     log("timing draft variants")
     results["draft_plain"] = time_forward(draft, context, [1], args.repeats)
     results["draft_int8"] = time_forward(quantize_draft(draft), context, [1], args.repeats)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import encode, log  # noqa: E402
 
 from verispec import CompositeDrafter, EarlyExitDrafter, ModelDrafter, NGramDrafter, SpeculativeDecoder  # noqa: E402
-from verispec.models.sources import load_pretrained  # noqa: E402
+from verispec.models import load_model  # noqa: E402
 from verispec.models.fast import prepack_linears, quantize_draft  # noqa: E402
 
 
@@ -133,8 +133,8 @@ def main(argv=None) -> int:
 def qwen(report: dict, prompts, kinds: list[str], args) -> None:
     """The real pair: every drafter, then the draft-length sweep with the 0.5B int4 draft."""
     n = args.max_new_tokens
-    target, tokenizer = load_pretrained("qwen2.5-coder-1.5b", progress=log)
-    draft, _ = load_pretrained("qwen2.5-coder-0.5b", progress=log)
+    target, tokenizer = load_model("qwen2.5-coder-1.5b", progress=log)
+    draft, _ = load_model("qwen2.5-coder-0.5b", progress=log)
     eos = [tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")]
     int8_target = quantize_draft(target)  # before packing: quantisation needs plain nn.Linear layers
     prepack_linears(target)
@@ -164,7 +164,7 @@ def qwen(report: dict, prompts, kinds: list[str], args) -> None:
 def smollm2(report: dict, prompts, kinds: list[str], args) -> None:
     """The real single model: n-gram, early exit and an int8 self-draft, then the n-gram draft-length sweep."""
     n = args.max_new_tokens
-    small, tokenizer = load_pretrained("smollm2-135m", progress=log)
+    small, tokenizer = load_model("smollm2-135m", progress=log)
     compare_drafters = not args.only_smollm2_sweep
     small_int8 = quantize_draft(small) if compare_drafters else None  # before packing, as for the target
     prepack_linears(small)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from costs import time_forward  # noqa: E402
 
 import verispec  # noqa: E402
-from verispec.models.sources import load_pretrained  # noqa: E402
+from verispec.models import load_model  # noqa: E402
 from verispec.policy import expected_tokens, expected_tokens_by_position  # noqa: E402
 
 SAMPLE = dict(temperature=0.7, top_p=0.95)
@@ -64,9 +64,9 @@ def encode(tokenizer, prompt: dict) -> list[int]:
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
-        self.target, self.tokenizer = load_pretrained(args.target, dtype="float32", progress=log)
+        self.target, self.tokenizer = load_model(args.target, dtype="float32", progress=log)
         if not args.core:  # the fp32 draft only serves transformers' assisted rows (2 GB)
-            self.draft, draft_tokenizer = load_pretrained(args.draft, dtype="float32", progress=log)
+            self.draft, draft_tokenizer = load_model(args.draft, dtype="float32", progress=log)
             assert self.tokenizer.get_vocab() == draft_tokenizer.get_vocab()
         # verispec's rows run through the library factory, the path a user of the README's API example takes
         # (pre-packed target, int4 draft); its own copy of the weights, so no shared state with the HF rows.

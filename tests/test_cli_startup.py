@@ -55,16 +55,16 @@ def test_the_module_entry_point_imports_no_heavy_module(argv: list[str]) -> None
 @pytest.fixture
 def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any attempt to load a model fails the test."""
-    from verispec import factory
-    from verispec.models import loading, sources
+    from verispec import acquire, factory
+    from verispec.models import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError(f"a model was loaded: {args}")
 
-    monkeypatch.setattr(loading, "load_pretrained", refuse)
+    for module in (acquire, factory, loading):  # every name of the one entry, and the loader above it
+        monkeypatch.setattr(module, "resolve", refuse)
     monkeypatch.setattr(loading, "load_model", refuse)
     monkeypatch.setattr(factory, "load_model", refuse)
-    monkeypatch.setattr(sources, "load_pretrained", refuse)
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verispec"
 # nor another layer of its own rank. "" is the package's public facade (verispec/__init__.py), above everything.
 LAYERS: list[set[str]] = [
     {"core", "text", "telemetry", "version"},  # pure tensor code and plain Python: tokens to text, counters
-    {"models"},  # a model, its cache with rollback, loading by name
+    {"acquire"},  # a name to checked local files: the zoo, its packages and sha256, Hub ids, GGUF tokenizers
+    {"models"},  # the backends: a model from its files, its cache with rollback
     {"drafters", "policy"},  # proposing drafts; choosing how many
     {"decode"},  # the loop: propose, score, verify, accept, roll back
     {"factory"},  # names -> models, drafters, policy, decoder
@@ -134,3 +135,16 @@ def test_the_checks_can_fail() -> None:
     assert "verispec.models.capability" in graph["verispec.models.cache"]
     assert "verispec.decode" in graph["verispec.factory"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_acquisition_calls_one_way_and_the_backends_know_only_files() -> None:
+    """Inside ``acquire`` calls go one way (names -> zoo -> integrity); the backends in ``models`` import the
+    package's entry (``resolve``, ``ModelFiles``), never the zoo's packages or the sha256 checks themselves
+    (``verispec.models`` itself re-exports ``zoo`` as ``verispec.zoo``)."""
+    graph = import_graph()
+    assert graph["verispec.acquire.integrity"] == set()
+    assert graph["verispec.acquire.zoo"] == {"verispec.acquire.integrity"}
+    assert graph["verispec.acquire.sources"] == {"verispec.acquire.zoo", "verispec.acquire.integrity"}
+    inner = {"verispec.acquire.zoo", "verispec.acquire.integrity", "verispec.acquire.sources"}
+    backends = [module for module in graph if layer(module) == "models" and module != "verispec.models"]
+    assert backends and [m for m in backends if graph[m] & inner] == []

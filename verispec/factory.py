@@ -1,9 +1,9 @@
 """Build a decoder from model names: the one factory the library, the CLI, the server and offline jobs share.
 
 ``load(target, draft)`` accepts zoo names, Hugging Face model folders, ``.gguf`` files and Hub ids
-(``owner/name``; see ``models.sources``), and applies the CPU fast paths (pre-packed target, int4 draft; a GGUF
-target and a GGUF draft with its tokenizer on llama.cpp) that the benchmarks measure. It assembles models,
-drafters, policies and the decoder, so it sits above all of them.
+(``owner/name``), each resolved to local files once (``acquire.resolve``), and applies the CPU fast paths
+(pre-packed target, int4 draft; a GGUF target and a GGUF draft with its tokenizer on llama.cpp) that the
+benchmarks measure. It assembles models, drafters, policies and the decoder, so it sits above all of them.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .acquire import Progress, ZooError, check_source, is_gguf, resolve, say
 from .decode import SpeculativeDecoder
 from .decode.decoder import verifies_one_token_per_pass
 from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
-from .models.integrity import Progress, ZooError, say
-from .models.loading import LoadError, load_model, parse_device, parse_model_dtype, same_tokenizer
-from .models.sources import check_source, is_gguf
+from .models.loading import LoadError, load_model, load_tokenizer, parse_device, parse_model_dtype, same_tokenizer
 from .policy import AutoGamma, make_gamma_policy
 
 if TYPE_CHECKING:
@@ -256,7 +255,9 @@ def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[
     from .models.llamacpp import load_llama
 
     try:
-        return load_llama(target, settings, progress)
+        files = resolve(target, backend="llama.cpp", progress=progress)
+        tokenizer = load_tokenizer(files, progress)
+        return load_llama(files.path, settings, progress), tokenizer
     except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
         raise LoadError(f"cannot load model {target!r} on llama.cpp: {error}") from error
 
@@ -265,16 +266,17 @@ def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokeni
                       progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase] | None:
     """A GGUF draft on llama.cpp beside a llama.cpp target (``LlamaModel`` with ``draft_settings``), or None when
     its tokenizer is not the target's: cross-tokenizer drafting edits a torch cache, so that draft runs on torch."""
-    from .models.llamacpp import gguf_with_tokenizer, load_llama_draft
+    from .models.llamacpp import load_llama_draft
 
     try:
-        path, draft_tokenizer = gguf_with_tokenizer(draft, progress)
+        files = resolve(draft, backend="llama.cpp", progress=progress)
+        draft_tokenizer = load_tokenizer(files, progress)
         if not same_tokenizer(tokenizer, draft_tokenizer):
             say(progress, f"draft: {draft} has another tokenizer than the target (cross-tokenizer drafting needs a "
                           "torch model)")
             return None
         say(progress, f"draft: {draft}, on llama.cpp beside the target")
-        return load_llama_draft(path, target_model.settings, progress), draft_tokenizer
+        return load_llama_draft(files.path, target_model.settings, progress), draft_tokenizer
     except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
         raise LoadError(f"cannot load draft {draft!r} on llama.cpp: {error}") from error
 

@@ -261,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(output[-4000:])
         results["verispec_torch"] = dict(json.loads(part.read_text()), rss_kb=rss, seconds=seconds)
     if not args.skip_llama:
-        from verispec.models.sources import gguf_source
+        from verispec.acquire import resolve
 
-        gguf = str(gguf_source(args.target)[0])
-        draft_gguf = str(gguf_source(args.draft_model)[0]) if args.draft_model else None
+        gguf = str(resolve(args.target, backend="llama.cpp").path)
+        draft_gguf = str(resolve(args.draft_model, backend="llama.cpp").path) if args.draft_model else None
         for index, text in enumerate(verispec["prompts"]):
             tokens = next(r["prompt_tokens"] for r in verispec["records"] if r["prompt"] == index)
             entry = {"prompt": index, "plain": llama_bench(args, gguf, tokens)}

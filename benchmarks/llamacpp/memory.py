@@ -47,12 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results" / "memory.json")
     args = parser.parse_args(argv)
 
-    from verispec.models.sources import gguf_source  # the zoo's files, as `verispec generate` finds them
+    from verispec.acquire import resolve  # the zoo's files, as `verispec generate` finds them
 
     messages = repetitive_prompts()[0]["messages"]
     text = messages[0]["content"]  # both tools get the same raw text (no chat template: llama.cpp's tools take text)
 
-    gguf, draft_gguf = str(gguf_source(args.target)[0]), str(gguf_source(args.draft_model)[0])
+    gguf, draft_gguf = (str(resolve(name, backend="llama.cpp").path) for name in (args.target, args.draft_model))
     verispec = [sys.executable, "-m", "verispec", "generate", "--target", args.target, "--backend", "llama.cpp",
                 "--llama-threads", str(args.threads), "--llama-ctx", str(args.n_ctx), "--prompt", text,
                 "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0"]

@@ -92,9 +92,9 @@ def main() -> int:
                         "(e.g. bfloat16: the pre-packed passes the issue names as the exact alternative)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from verispec.models.sources import gguf_source
+    from verispec.acquire import resolve
 
-    path, _ = gguf_source(args.target)
+    path = resolve(args.target, backend="llama.cpp").path
     cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
                 if l.startswith("model name")), "unknown")
     runs = [measure(path, repack, args.threads, args.depth, args.sizes, args.repeats) for repack in (True, False)]

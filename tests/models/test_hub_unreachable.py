@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_loading import WORDS, put_in_hub_cache, save_tiny
 
+from verispec.acquire import hub_unreachable
 from verispec.models import LoadError, load_model
-from verispec.models.sources import hub_unreachable
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Loading by path and Hub id (verispec.models.sources), the factory ``verispec.load`` (verispec.factory)
-and EOS ids (verispec.models.eos), on tiny random-weight models saved in the test: no downloads, and the Hub
-is only ever a cache folder the test fills, with HF_HUB_OFFLINE=1."""
+"""Resolving by path and Hub id (verispec.acquire), loading from the files (verispec.models.loading), the
+factory ``verispec.load`` (verispec.factory) and EOS ids (verispec.models.eos), on tiny random-weight models saved
+in the test: no downloads, and the Hub is only ever a cache folder the test fills, with HF_HUB_OFFLINE=1."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from torch import nn
 
 import verispec
 from verispec import zoo
+from verispec.acquire import ModelFiles, ZooError, is_hub_id, resolve
 from verispec.models import LoadError, chat_end_token_id, eos_token_ids, load_model
 from verispec.models.fast import Int4Linear, PackedLinear
-from verispec.models.sources import load_pretrained
-from verispec.models.zoo import ZooError
 
 WORDS = ["<unk>", "<s>", "</s>", "def", "return", "x", "(", ")", ":", "+", "1", "hello", "world"]
 CODE_WORDS = [*WORDS, "y", "if", "else", "for", "in", "print", "-", "2", "3", "while"]
@@ -107,9 +106,12 @@ def linear_types(model: nn.Module) -> set[str]:
 # ------------------------------------------------------------ model folders
 
 
-def test_load_tiny_hf_dir(tiny_hf_dir: Path, tmp_path: Path) -> None:
+def test_load_tiny_hf_dir(tiny_hf_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    path = str(tiny_hf_dir)
+    assert resolve(path) == ModelFiles(path, "transformers", tiny_hf_dir, tiny_hf_dir, tiny_hf_dir, "folder")
     msgs: list[str] = []
-    model, tok = load_pretrained(str(tiny_hf_dir), dtype="bf16", progress=msgs.append, cache=tmp_path)
+    model, tok = load_model(path, dtype="bf16", progress=msgs.append)
     assert model.dtype == torch.bfloat16
     assert not model.training
     ids = tok("def x ( ) : return x + 1", return_tensors="pt")["input_ids"]
@@ -117,7 +119,7 @@ def test_load_tiny_hf_dir(tiny_hf_dir: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=2)
     assert out.shape[1] <= ids.shape[1] + 3 and out[0, : ids.shape[1]].tolist() == ids[0].tolist()
-    assert any("loading weights" in m for m in msgs)
+    assert msgs == [f"loading tokenizer from {tiny_hf_dir}", f"loading weights from {tiny_hf_dir} (bfloat16) ..."]
     assert not any(tmp_path.iterdir())  # an HF folder needs no cache
 
 
@@ -127,8 +129,15 @@ def test_load_tiny_hf_dir_without_tokenizer(tiny_hf_dir: Path, tmp_path: Path) -
     for f in tiny_hf_dir.iterdir():
         if f.name in ("config.json", "model.safetensors", "generation_config.json"):
             shutil.copy(f, bare / f.name)
-    with pytest.raises(ZooError, match="tokenizer"):
-        load_pretrained(str(bare), cache=tmp_path)
+    with pytest.raises(LoadError, match=f"cannot load model .*no usable tokenizer in {bare}"):
+        load_model(str(bare))
+
+
+def test_llama_cpp_takes_gguf_files_only(tiny_hf_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ZooError, match="runs GGUF models only"):
+        resolve(str(tiny_hf_dir), backend="llama.cpp", cache=tmp_path)
+    with pytest.raises(ValueError, match="backend must be"):
+        resolve(str(tiny_hf_dir), backend="vllm", cache=tmp_path)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------- Hub ids
@@ -143,10 +152,12 @@ def test_hub_id_loads_from_the_hf_cache_offline(tiny_hf_dir: Path, offline_hub: 
     assert torch.equal(model.get_input_embeddings().weight, local.get_input_embeddings().weight)
     assert tokenizer.get_vocab() == {w: i for i, w in enumerate(WORDS)}
     assert any("tiny-org/tiny-llama" in m and "Hub" in m for m in msgs)
-    # the same id through the factory and through load_pretrained: a Hub id, not only local names
+    # the same id through the factory and through resolve: a Hub id, not only local names
     decoder, _ = verispec.load("tiny-org/tiny-llama", "ngram")
     assert decoder.vocab_size == len(WORDS)
-    assert load_pretrained("tiny-org/tiny-llama", cache=tmp_path / "verispec")[0].config.vocab_size == len(WORDS)
+    files = resolve("tiny-org/tiny-llama", cache=tmp_path / "verispec")
+    assert files.source == "hub" and files.kind == "transformers" and files.path.is_relative_to(offline_hub)
+    assert (files.path / "model.safetensors").is_file() and not (tmp_path / "verispec").exists()
 
 
 def test_missing_hub_id_offline_names_the_id(offline_hub: Path) -> None:
@@ -168,15 +179,11 @@ def test_local_folder_wins_over_a_hub_id_of_the_same_shape(tiny_hf_dir: Path, of
 
 @pytest.mark.parametrize("name", ["Qwen/Qwen2.5-Coder-7B-Instruct", "tiny-org/tiny-llama", "a/b"])
 def test_hub_ids_are_recognised(name: str) -> None:
-    from verispec.models.sources import is_hub_id
-
     assert is_hub_id(name)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "./a/b", "/a/b", "a/b/c", "~/a", "a/b.gguf", "a/..b", "own er/x"])
 def test_other_names_are_not_hub_ids(name: str) -> None:
-    from verispec.models.sources import is_hub_id
-
     assert not is_hub_id(name)
 
 

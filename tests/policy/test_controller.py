@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from verispec.policy import AcceptancePool, RowPlan, SpeculationController, bucket_label, bucket_of
+from verispec.policy import AcceptancePool, RowPlan, SpeculationController, bucket_label, bucket_of, paying_cap
+from verispec.policy.controller import CapDecision
 from verispec.policy.formula import expected_tokens
 
 
@@ -224,3 +225,78 @@ def test_concurrent_callers_share_one_controller_safely() -> None:
     for thread in threads:
         thread.join()
     assert not errors and sum(controller.snapshot()["steps_by_reason"].values()) == 1200
+
+
+class SimulatedClock:
+    """A wall clock that moves only when a simulated step runs."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_timed(controller: SpeculationController, clock: SimulatedClock, machine: Machine, acceptance: float,
+              steps: int, rng: random.Random, scale: float = 0.05) -> list[CapDecision]:
+    """``run`` at one row, the simulated clock advancing by each step's latency (``scale`` seconds a unit)."""
+    estimate, decisions = controller.new_estimate(), []
+    for _ in range(steps):
+        lengths, decision = controller.decide([RowPlan(12, estimate, remaining=10_000)])
+        kept = kept_drafts(lengths, acceptance, rng)
+        latency = scale * machine.latency(1, lengths[0], rng)
+        clock.now += latency
+        controller.observe_step(1, lengths[0], latency)
+        if lengths[0]:
+            controller.observe_rows([(estimate, lengths[0], kept[0])])
+        decisions.append(decision)
+    return decisions
+
+
+# At acceptance 0.8, drafting 3-4 tokens pays 1.8x on QUIET; on LOADED (another process shares the cores: the
+# draft's passes and each extra scored token cost five times as much) the target alone is best (1 draft: 0.9x).
+QUIET, LOADED = Machine(1.0, 0.05, 0.15, 0.0), Machine(1.0, 0.25, 0.75, 0.0)
+
+
+def first_settled(decisions: list[CapDecision], drafting: bool, window: int = 40) -> int:
+    """The first step from which ``window`` steps in a row mostly (90%) draft (or mostly run the target alone)."""
+    for start in range(len(decisions) - window + 1):
+        chunk = decisions[start:start + window]
+        if sum((d.cap > 0) == drafting for d in chunk) >= 0.9 * window:
+            return start
+    return len(decisions)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_load_that_comes_and_goes_is_followed_both_ways(seed: int) -> None:
+    """One batch size throughout: drafting pays, then the machine's cost of drafting rises (it no longer pays) for
+    1000 steps, then falls back. The plan follows within 150 steps each way. Estimates age with the wall clock, so
+    "target alone" does not stick once the load is gone: with estimates that aged only per step (before issue 40)
+    the return took up to all 600 steps on these seeds."""
+    clock, rng = SimulatedClock(), random.Random(seed)
+    controller = SpeculationController(clock=clock)
+    assert first_settled(run_timed(controller, clock, QUIET, 0.8, 400, rng), drafting=True) < 150
+    loaded = run_timed(controller, clock, LOADED, 0.8, 1000, rng)
+    assert first_settled(loaded, drafting=False) < 150, [d.cap for d in loaded[:150]]
+    quiet = run_timed(controller, clock, QUIET, 0.8, 600, rng)
+    assert first_settled(quiet, drafting=True) < 150, [d.cap for d in quiet[:150]]
+
+
+def test_drafts_are_priced_out_where_every_extra_token_costs_a_pass() -> None:
+    """A backend whose pass of 1 + c tokens costs 1 + c one-token passes (llama.cpp's bitwise regime on several
+    threads): no draft can commit more than it costs, so no row drafts, pinned rows included, and nothing is
+    explored."""
+    per_token = lambda width, rows: 0.04 * width * rows  # noqa: E731
+    controller = SpeculationController(pass_cost=per_token)
+    estimate = controller.new_estimate()
+    for _ in range(200):
+        lengths, decision = controller.decide([RowPlan(12, estimate), RowPlan(5, estimate, pinned=True)])
+        assert lengths == [0, 0] and decision.reason == "priced"
+        controller.observe_step(2, 0, 0.08)
+    assert paying_cap(per_token, 1, 16) == 0
+    # Where a pass of up to 4 tokens costs what one does and a longer one a pass per token, drafts up to 3 can
+    # pay and nobody drafts more; at 2 rows (8 tokens for 3 drafts each) only 1 can.
+    cliff = lambda width, rows: 0.04 if width * rows <= 4 else 0.04 * width * rows  # noqa: E731
+    assert paying_cap(cliff, 1, 16) == 3 and paying_cap(cliff, 2, 16) == 1
+    lengths, _ = SpeculationController(pass_cost=cliff).decide([RowPlan(8, estimate, pinned=True)])
+    assert lengths == [3]

@@ -204,13 +204,15 @@ class DecodeBatch:
         used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
         return result, (~finite & used).any(dim=-1), target_logits
 
-    def _draft_lengths(self) -> tuple[list[int], list[float] | None, SourceDecision | None]:
-        """Each row's draft length this step (its policy's, capped by the controller), with early stops on
-        each row's threshold (``Drafter.propose``'s ``stop_below``), and with a two-source drafter each row's
-        source (``policy/sources.py``)."""
+    def _draft_lengths(self, room: Room | None) -> tuple[list[int], list[float] | None, SourceDecision | None]:
+        """Each row's draft length this step, with early stops on each row's threshold (``Drafter.propose``'s
+        ``stop_below``), and with a two-source drafter each row's source (``policy/sources.py``). The limits are
+        each row's policy's, within its budget and, in a short memory (``room``), as wide as the room allows; the
+        controller decides within them."""
         if self.drafter is None:
             return [0] * len(self.rows), None, None
-        limits = [row.draft_limit() for row in self.rows]
+        share = None if room is None else max(room.tokens // len(self.rows) - 1, 0)
+        limits = [row.draft_limit() if share is None else min(row.draft_limit(), share) for row in self.rows]
         if self.controller is None or not any(limits):
             return limits, None, None
         if isinstance(self.controller, SourceController) and isinstance(self.drafter, SourceDrafter):
@@ -257,9 +259,7 @@ class DecodeBatch:
         if not self.rows:
             return ended
         rows = list(self.rows)
-        row_gammas, stop_below, plan = self._draft_lengths()
-        if room is not None:  # a short memory: every row's block as wide as the room allows
-            row_gammas = [min(g, max(room.tokens // len(rows) - 1, 0)) for g in row_gammas]
+        row_gammas, stop_below, plan = self._draft_lengths(room)
         gamma = max(row_gammas)
         uniforms = draw_uniforms([row.generator for row in rows], row_gammas, gamma, self.device)
         catch_up_fed, catch_up_seconds = 0, []  # tokens and seconds of the drafter's backlog pass, if any

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.sampling import SamplingParams
-from ..policy import SpeculationController
+from ..drafters import SourceDrafter
+from ..policy import SpeculationController, paying_cap
 from .requests import validate_request
 
 # Short code: what the default pair is for; its greedy continuation is long (no early end of text).
@@ -71,19 +72,24 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
               steps: int = CALIBRATION_STEPS) -> Calibration:
     """Time ``steps`` greedy batch-1 steps of ``decoder`` at each draft length in ``lengths`` (clipped to its
     most, duplicates dropped) on ``prompt_ids``, feeding the decoder's own speculation controller. A decoder
-    without a drafter, with a fixed draft length (its controller never chooses), or whose target verifies one
-    token per pass ("auto" never drafts there), is left as it is."""
+    without a drafter, with a fixed draft length (its controller never chooses), or whose target prices every
+    draft out (``paying_cap``: the planner never drafts there), is left as it is. A two-source drafter
+    (``suffix+MODEL``) is timed with its model alone, so every step timed is a model-plan step and lands in the
+    model plan's tables (the lookup plan's steps cost the target's scoring only: the pass-cost curve prices
+    them)."""
     report = Calibration()
     policy = decoder.gamma_policy
-    if decoder.drafter is None or not hasattr(policy, "max_gamma") or not prompt_ids or decoder.one_token_passes:
+    if (decoder.drafter is None or not hasattr(policy, "max_gamma") or not prompt_ids
+            or not paying_cap(decoder.pass_cost, 1, policy.max_gamma)):
         return report
+    drafter = decoder.drafter.model if isinstance(decoder.drafter, SourceDrafter) else decoder.drafter
     start = time.perf_counter()
     todo = sorted({min(max(k, 0), policy.max_gamma) for k in lengths})
     # One untimed step per length first (a recorder with no target swallows it), then the timed ones.
     for target, count in ((None, 1), (decoder.controller, steps)):
         for k in todo:
             recorder = _Recorder(target)
-            rows = _run(decoder, list(prompt_ids), k, count, recorder)
+            rows = _run(decoder, drafter, list(prompt_ids), k, count, recorder)
             if target is not None:
                 report.step_seconds[k] = recorder.seen
                 report.tokens_per_step[k] = rows / max(len(recorder.seen), 1)
@@ -91,13 +97,13 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
     return report
 
 
-def _run(decoder, prompt: list[int], length: int, steps: int, controller: SpeculationController) -> int:
+def _run(decoder, drafter, prompt: list[int], length: int, steps: int, controller: SpeculationController) -> int:
     """``steps`` steps of one greedy row pinned to ``length`` drafts; the tokens it committed."""
     request = validate_request(decoder.limits, [prompt], SamplingParams(), steps * (length + 1) + 1)
     rows = decoder.rows_for(request, [0], num_draft_tokens=length)
     for row in rows:
         row.pinned = True  # its length, not the controller's choice: that is what is being timed
-    with decoder.new_batch(controller=controller, stop_drafting=False) as batch:
+    with decoder.new_batch(drafter, controller=controller, stop_drafting=False) as batch:
         batch.add(rows)
         for _ in range(steps):
             if not batch.rows:

@@ -31,7 +31,9 @@ from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.cache import CacheFullError, model_device, new_cache
 from ..models.capability import model_vocab_size, position_limit
+from ..models.pass_cost import pass_cost_of
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
+from ..policy.controller import PassCost
 from ..policy.sources import SourceController
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, Row
@@ -43,12 +45,6 @@ if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp
 
 
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
-
-
-def verifies_one_token_per_pass(target_model: object) -> bool:
-    """A target whose exact passes hold one token (llama.cpp on several threads: ``models/llamacpp.py``): k drafts
-    cost k + 1 passes, which commit at most k + 1 tokens, so "auto" never drafts beside it."""
-    return getattr(target_model, "pass_cap", None) == 1
 
 
 def _is_model(draft: object) -> bool:
@@ -122,9 +118,10 @@ def _model_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | No
     return (model_vocab_size(model), model.get_input_embeddings().weight.shape[0], *position_limit(model))
 
 
-def _new_controller(drafter: object) -> SpeculationController:
+def _new_controller(drafter: object, pass_cost: PassCost) -> SpeculationController:
     """A drafter's speculation controller: a two-source drafter's chooses each row's source too."""
-    return SourceController() if isinstance(drafter, SourceDrafter) else SpeculationController()
+    kind = SourceController if isinstance(drafter, SourceDrafter) else SpeculationController
+    return kind(pass_cost=pass_cost)
 
 
 class _DrafterLeases:
@@ -192,12 +189,20 @@ class SpeculativeDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches
         self._leases = _DrafterLeases()
+        self._target_cost = pass_cost_of(target_model)
+        if self.drafter is not None:  # measured now, not inside a step: the first pass of a shape is slow
+            self.pass_cost(1, 1)
         # One speculation controller per drafter, living as long as the decoder: the engine's batches and
         # every generate call with that drafter feed and read it. Drafts passed per call get their own (their
         # cost and acceptance are not the default draft's), keyed weakly so a dropped draft frees its entry.
-        self.controller = _new_controller(self.drafter)
+        self.controller = _new_controller(self.drafter, self.pass_cost)
         self._controllers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.one_token_passes = verifies_one_token_per_pass(target_model)  # then "auto" never drafts
+
+    def pass_cost(self, width: int, rows: int = 1) -> float:
+        """Seconds of one target pass scoring ``width`` tokens in each of ``rows`` rows, as this machine measured
+        it (once, on first use, under the model lock: ``models/pass_cost.py``). The draft planner's input."""
+        with self.model_lock:
+            return self._target_cost(width, rows)
 
     @property
     def vocab_size(self) -> int:
@@ -230,7 +235,7 @@ class SpeculativeDecoder:
             return self.controller
         controller = self._controllers.get(draft)
         if controller is None:
-            controller = self._controllers[draft] = _new_controller(draft)
+            controller = self._controllers[draft] = _new_controller(draft, self.pass_cost)
         return controller
 
     def rows_for(self, request: Request, keys: Sequence[int], *, draft: object = _USE_DECODER_DRAFT,
@@ -245,8 +250,6 @@ class SpeculativeDecoder:
         length, or the timing-free heuristic schedule in place of "auto")."""
         explicit = num_draft_tokens is not None
         policy = make_gamma_policy(num_draft_tokens) if explicit else self.gamma_policy
-        if isinstance(policy, AutoGamma) and self.one_token_passes:
-            policy = AutoGamma(max_gamma=0)  # each drafted token would cost a target pass: drafting never pays
         pinned = not explicit and not isinstance(policy, AutoGamma)
         if request.seeded and not request.sampling.greedy:
             pinned = True

@@ -1,9 +1,10 @@
-"""Models: the cached-model adapter with per-row rollback (``cache``), CPU kernels (``fast``), the offline zoo
-(``zoo``, with verified files in ``integrity``), loading by name, path or Hub id (``sources``), EOS ids
-(``eos``) and one model with its tokenizer (``loading``). The factory that builds a decoder from names is
-``verispec.factory``, above this layer."""
+"""Models: the cached-model adapter with per-row rollback (``cache``), CPU kernels (``fast``), the llama.cpp
+backend (``llamacpp``), EOS ids (``eos``) and one model with its tokenizer from resolved files or by name
+(``loading``). Names become files in ``verispec.acquire`` (the zoo, its packages and checks, Hub ids); ``zoo`` is
+re-exported here for ``verispec.zoo``. The factory that builds a decoder from names is ``verispec.factory``,
+above this layer."""
 
-from . import zoo
+from ..acquire import zoo
 from .eos import chat_end_token_id, eos_token_ids
 from .loading import LoadError, load_model
 

@@ -39,14 +39,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from ..acquire import Progress, say
 from .cache import Room
 from .llama_context import (LLAMA_CPP_MISSING, PROBE_CONTEXT, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
                             _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
                             probe_regime)
 
 __all__ = ["LLAMA_CPP_MISSING", "PROBE_CONTEXT", "PROBE_DEPTHS", "PROBE_MAX_ROWS", "LlamaCache", "LlamaModel",
-           "LlamaSettings", "Regime", "_Context", "_largest_invariant_pass", "draft_settings", "gguf_with_tokenizer",
-           "greedy_reference", "llama_cpp_unavailable", "load_llama", "load_llama_draft", "probe_regime"]
+           "LlamaSettings", "Regime", "_Context", "_largest_invariant_pass", "draft_settings", "greedy_reference",
+           "llama_cpp_unavailable", "load_llama", "load_llama_draft", "probe_regime"]
 
 HISTORY = 1024  # input columns a cache remembers for rollback (a rollback reaches at most this far back)
 
@@ -121,20 +122,41 @@ class LlamaModel:
         return LlamaCache(self)
 
     def close(self) -> None:
-        """Free the context and the weights (the model is unusable afterwards)."""
+        """Free the context and the weights now (the model is unusable afterwards; closing twice is harmless).
+        Caches still open on it hold no memory any more: their sequences went with the context."""
         with self.lock:
-            if getattr(self, "context", None) is not None:
+            if self.context is not None:
                 self.context.close()
                 self.context = None
-            if getattr(self, "model", None):
+            if self.model:
                 _lib().llama_model_free(self.model)
                 self.model = None
 
-    def __del__(self) -> None:  # noqa: D105
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def pass_cost(self, width: int, rows: int = 1) -> float:
+        """Seconds of a scoring pass of ``width`` tokens in each of ``rows`` rows (``models/pass_cost.py``):
+        measured once, on a free sequence, with passes cut as scoring cuts them (``pass_cap``)."""
+        from .pass_cost import measure_curve
+
+        with self.lock:
+            if getattr(self, "_pass_cost", None) is None:
+                seq, = self._acquire(1)
+                try:
+                    def run(n: int) -> None:
+                        self.context.decode([self.eos_ids[0] if self.eos_ids else 0] * n, range(n), [seq] * n,
+                                            [True] * n)
+                        self.context.remove(seq, 0, -1)
+
+                    self._pass_cost = measure_curve(run, per_call=min(self.pass_cap or self.context.capacity,
+                                                                       self.context.capacity))
+                finally:
+                    self._release([seq])
+            return self._pass_cost(width, rows)
 
     # ------------------------------------------------------------------ sequence ids
     def _acquire(self, count: int) -> list[int]:
@@ -334,33 +356,13 @@ class LlamaCache:
                 row.columns[:0] = [False] * (width - len(row.columns))
 
 
-def gguf_with_tokenizer(name_or_path: str, progress=None):
-    """``(GGUF file, tokenizer)`` for a zoo name, a ``.gguf`` file or a folder holding one. The tokenizer is the
-    Hugging Face one converted from the GGUF's vocabulary (what the torch path uses), so drafters, chat templates
-    and detokenising work unchanged. ``ValueError`` for a model that is no GGUF, ``ImportError`` when
-    llama-cpp-python is missing."""
-    from .sources import gguf_source, gguf_tokenizer
-    from .zoo import cache_root
-
-    problem = llama_cpp_unavailable()
-    if problem is not None:
-        raise ImportError(problem)
-    source = gguf_source(name_or_path, progress)
-    if source is None:
-        raise ValueError(f"backend 'llama.cpp' runs GGUF models only; {name_or_path!r} is not one "
-                         "(a zoo name, a .gguf file or a folder holding one); use backend='torch'")
-    path, sha256 = source
-    return path, gguf_tokenizer(path, sha256, cache_root(), progress)
-
-
-def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progress=None):
-    """``(LlamaModel, tokenizer)`` for a GGUF target (see ``gguf_with_tokenizer``), its regime probed."""
-    from .integrity import say
-
-    path, tokenizer = gguf_with_tokenizer(name_or_path, progress)
+def load_llama(path: str | os.PathLike, settings: LlamaSettings | None = None,
+               progress: Progress | None = None) -> LlamaModel:
+    """A GGUF target on llama.cpp from its local file (``acquire.resolve`` finds it), its regime probed."""
     settings = settings or LlamaSettings()
-    say(progress, f"loading {path.name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash attention "
-                  f"{'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, {kv_layout(settings)})")
+    say(progress, f"loading {Path(path).name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash "
+                  f"attention {'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, "
+                  f"{kv_layout(settings)})")
     model = LlamaModel(path, settings)
     cut = "scoring passes cut to that size" if settings.exact else "passes NOT cut (exact=False)"
     if model.pass_cap == 1:
@@ -371,7 +373,7 @@ def load_llama(name_or_path: str, settings: LlamaSettings | None = None, progres
         say(progress, "llama.cpp: one KV memory shared by all rows: a row alone decodes bitwise as llama.cpp's plain "
                       "loop, rows batched together only up to the last bits of their logits (the default, "
                       "streams=True / --llama-streams, is bitwise in any batch: a KV stream per row)")
-    return model, tokenizer
+    return model
 
 
 def kv_layout(settings: LlamaSettings) -> str:
@@ -389,10 +391,9 @@ def draft_settings(target: LlamaSettings) -> LlamaSettings:
     return replace(target, repack=True, exact=False)
 
 
-def load_llama_draft(path: str | os.PathLike, target: LlamaSettings, progress=None) -> LlamaModel:
+def load_llama_draft(path: str | os.PathLike, target: LlamaSettings,
+                     progress: Progress | None = None) -> LlamaModel:
     """A GGUF draft model on llama.cpp with ``draft_settings(target)`` (no regime probe: it need not be exact)."""
-    from .integrity import say
-
     settings = draft_settings(target)
     say(progress, f"loading {Path(path).name} on llama.cpp for the draft (repack on, passes not cut: the target "
                   f"verifies every token; {settings.threads()} threads, {kv_layout(settings)})")

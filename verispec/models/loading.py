@@ -1,6 +1,7 @@
-"""Load one model and its tokenizer by zoo name, path, ``.gguf`` file or Hub id (see ``sources``), on a device
-this process can use; every loader error becomes a ``LoadError`` naming the model. The factory that assembles a
-decoder from such models is ``verispec.factory`` (it sits above ``decode``, ``drafters`` and ``policy``)."""
+"""One model and its tokenizer, on a device this process can use: from resolved files (:func:`load_files`, the
+torch backend's loader, which knows nothing of zoos, packages or hashes) or by name (:func:`load_model`:
+``verispec.acquire.resolve`` then :func:`load_files`); every loader error becomes a ``LoadError`` naming the
+model. The factory that assembles a decoder from such models is ``verispec.factory`` (above ``decode``)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,47 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .integrity import Progress, ZooError
-from .sources import load_pretrained, parse_dtype
+from ..acquire import ModelFiles, Progress, ZooError, resolve, say
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["LoadError", "load_model", "parse_device", "parse_model_dtype", "same_tokenizer"]
+__all__ = ["LoadError", "load_files", "load_model", "load_tokenizer", "parse_device", "parse_dtype",
+           "parse_model_dtype", "same_tokenizer"]
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
 
 class LoadError(ValueError):
     """A model could not be loaded, or two models cannot be paired; the message says why in one line."""
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Return the torch dtype for ``dtype``.
+
+    Accepts ``torch.float32``/``bfloat16``/``float16`` or the strings ``float32 fp32 bfloat16 bf16 float16
+    fp16`` (case-insensitive, an optional ``torch.`` prefix allowed). Anything else raises ``ValueError``
+    naming the accepted values.
+    """
+    accepted = sorted(set(_DTYPES.values()), key=str)
+    if isinstance(dtype, torch.dtype):
+        if dtype in accepted:
+            return dtype
+    elif isinstance(dtype, str):
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise ValueError(
+        f"unsupported dtype {dtype!r}; accepted: {', '.join(_DTYPES)} "
+        f"or one of {', '.join(str(d) for d in accepted)}"
+    )
 
 
 def parse_model_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
@@ -57,13 +89,52 @@ def _device_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def load_tokenizer(files: ModelFiles, progress: Progress | None = None) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer in ``files.tokenizer`` (both backends use it); ``ValueError`` if none is usable."""
+    from transformers import AutoTokenizer
+
+    say(progress, f"loading tokenizer from {'cache ' if files.kind == 'gguf' else ''}{files.tokenizer}")
+    try:
+        return AutoTokenizer.from_pretrained(str(files.tokenizer), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no usable tokenizer in {files.tokenizer}: {e}") from e
+
+
+def load_files(files: ModelFiles, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               progress: Progress | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` from resolved files: the model in eval mode on ``device``, a GGUF's weights
+    dequantised to ``dtype`` (always a plain dense model: packed-GGUF kernels would change numerics per device),
+    a folder's cast to it. Reads local files only."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
+
+    tokenizer = load_tokenizer(files, progress)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if files.kind == "gguf":
+        if files.config is None:
+            raise ValueError(f"{files.path.name} was resolved for llama.cpp: resolve it with backend='torch'")
+        config = AutoConfig.from_pretrained(str(files.config), local_files_only=True)
+        say(progress, f"loading weights from {files.path.name} (dequantising to {dtype_name}) ...")
+        model = AutoModelForCausalLM.from_pretrained(str(files.path.parent), gguf_file=files.path.name, config=config,
+                                                     dtype=dtype, quantization_config=GgufConfig(dequantize=True),
+                                                     local_files_only=True)
+    else:
+        say(progress, f"loading weights from {files.path} ({dtype_name}) ...")
+        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
+    model.eval()
+    if torch.device(device).type != "cpu":
+        model.to(device)
+    return model, tokenizer
+
+
 def load_model(name_or_path: str, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
                progress: Progress | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """One model (eval mode, on ``device``) and its tokenizer by zoo name, path or Hub id; ``dtype`` None means
-    float32. Every loader error becomes a ``LoadError`` naming the model."""
-    torch_dtype = parse_model_dtype(dtype)
+    """One model (eval mode, on ``device``) and its tokenizer by zoo name, path or Hub id (``acquire.resolve``,
+    then :func:`load_files`); ``dtype`` None means float32. Every loader error becomes a ``LoadError`` naming the
+    model; a bad dtype or device fails before any work."""
+    torch_dtype, torch_device = parse_model_dtype(dtype), parse_device(device)
     try:
-        return load_pretrained(name_or_path, dtype=torch_dtype, device=str(parse_device(device)), progress=progress)
+        return load_files(resolve(name_or_path, backend="torch", progress=progress), torch_dtype, torch_device,
+                          progress)
     except (ZooError, ValueError, OSError) as error:
         raise LoadError(f"cannot load model {name_or_path!r}: {error}") from error
 

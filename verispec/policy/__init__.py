@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from .acceptance import AcceptanceEstimate, AcceptancePool, PositionCounts
 from .base import AutoGamma, FixedGamma, GammaPolicy, StepRecord
-from .controller import CapDecision, LatencyStats, RowPlan, SpeculationController, bucket_label, bucket_of
+from .controller import (MOST_DRAFTS, CapDecision, LatencyStats, RowPlan, SpeculationController, bucket_label,
+                         bucket_of, paying_cap)
 from .formula import expected_tokens, expected_tokens_by_position, expected_tokens_curve
 from .heuristic import HeuristicGamma
 
@@ -25,6 +26,8 @@ __all__ = [
     "GammaPolicy",
     "HeuristicGamma",
     "LatencyStats",
+    "MOST_DRAFTS",
+    "paying_cap",
     "PositionCounts",
     "RowPlan",
     "SpeculationController",

@@ -36,10 +36,13 @@ class PositionCounts:
     kept: list[float] = field(default_factory=list)
     judged: list[float] = field(default_factory=list)
 
+    def scale(self, factor: float) -> None:
+        self.kept = [x * factor for x in self.kept]
+        self.judged = [x * factor for x in self.judged]
+
     def add(self, draft_length: int, num_kept: int, decay: float = 1.0) -> None:
         if decay != 1.0:
-            self.kept = [x * decay for x in self.kept]
-            self.judged = [x * decay for x in self.judged]
+            self.scale(decay)
         judged = min(num_kept + 1, draft_length)
         while len(self.judged) < judged:
             self.kept.append(0.0)
@@ -64,14 +67,26 @@ class AcceptancePool:
     prior_acceptance: float = 0.7  # before any request was seen; worth `prior_weight` observations
     prior_weight: float = 4.0
     decay: float = 0.995  # per row-step: the pool follows the recent workload
+    half_life_s: float = 60.0  # ... and the wall clock: acceptance not seen for a while drifts back to the prior
     condition_on_previous: bool = True  # shift estimates by how the request's previous block ended
     counts: PositionCounts = field(default_factory=PositionCounts)
     # The same counts split by the previous block's outcome (index 1: kept in full).
     by_previous: tuple[PositionCounts, PositionCounts] = field(default_factory=_by_outcome)
+    aged_at: float | None = field(default=None, repr=False)  # clock reading of the last ``age``
 
     def fresh(self) -> AcceptancePool:
         """An empty pool with the same settings (for another drafter, whose acceptance is its own)."""
-        return dataclasses.replace(self, counts=PositionCounts(), by_previous=_by_outcome())
+        return dataclasses.replace(self, counts=PositionCounts(), by_previous=_by_outcome(), aged_at=None)
+
+    def age(self, now: float) -> None:
+        """Let the counts lose half their weight per ``half_life_s`` since the last call: when no row drafted for
+        a while (the controller ran the target alone), what the pool says of acceptance grows uncertain, and an
+        optimistic bound makes the controller look again."""
+        if self.aged_at is not None and now > self.aged_at:
+            factor = 0.5 ** ((now - self.aged_at) / self.half_life_s)
+            for counts in (self.counts, *self.by_previous):
+                counts.scale(factor)
+        self.aged_at = now if self.aged_at is None else max(self.aged_at, now)
 
     @property
     def acceptance(self) -> float:

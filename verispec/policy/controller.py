@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -46,14 +47,17 @@ from .formula import expected_tokens_curve
 # Confidence bounds are mean -/+ Z standard errors of the latency: about 2.3% one-sided for a normal spread.
 Z = 2.0
 # Each new step at a (bucket, cap) weighs 1 and the earlier ones this much less: the latency table follows a
-# load that changes (about the last 30 steps count) without forgetting a cap that was not re-run.
+# load that changes (about the last 30 steps count).
 DECAY = 0.97
+# ... and every estimate also ages with the wall clock: what a cap cost this long ago is worth half as many steps
+# (so a cap the controller stopped running grows uncertain and is looked at again once the load may have moved).
+HALF_LIFE_S = 10.0
 # Relative spread assumed for a latency seen fewer than twice (a single step says nothing of its noise) and
 # the least spread ever assumed (a machine's timings drift by a few percent whatever the sample size).
 PRIOR_SPREAD, MIN_SPREAD = 0.10, 0.02
 # Before any step at a cap has been timed in a bucket, its latency is read off a line through the bucket's
-# measured caps; with one measured cap, each draft column is assumed to cost this fraction of a step of the
-# target alone (a small draft on an accelerator; a CPU measures more and then knows).
+# measured caps, or off the backend's measured pass-cost curve; only a controller given no curve (a bare test
+# double) assumes each draft column costs this fraction of a step of the target alone.
 PRIOR_COLUMN_COST = 0.25
 # Rows of a step whose caps were never timed are predicted with this relative spread, so the bound that makes
 # the controller look there is optimistic but finite.
@@ -76,10 +80,17 @@ def bucket_label(bucket: int) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
+def age_factor(then: float | None, now: float) -> float:
+    """How much evidence gathered at ``then`` is still worth at ``now`` (1 fresh, 1/2 after ``HALF_LIFE_S``)."""
+    return 1.0 if then is None else 0.5 ** (max(now - then, 0.0) / HALF_LIFE_S)
+
+
 @dataclass
 class LatencyStats:
-    """Whole-step seconds at one (bucket, cap): exponentially weighted least squares of seconds on batch rows."""
+    """Whole-step seconds at one (bucket, cap): exponentially weighted least squares of seconds on batch rows,
+    each step's weight decaying per later step and with the wall clock."""
 
+    updated: float | None = None  # clock reading of the last step added
     w: float = 0.0
     w2: float = 0.0  # sum of squared weights: the effective sample size is w**2 / w2
     sx: float = 0.0
@@ -88,24 +99,26 @@ class LatencyStats:
     sxy: float = 0.0
     syy: float = 0.0
 
-    def add(self, rows: int, seconds: float) -> None:
-        self.w, self.w2 = DECAY * self.w + 1.0, DECAY * DECAY * self.w2 + 1.0
-        self.sx, self.sy = DECAY * self.sx + rows, DECAY * self.sy + seconds
-        self.sxx, self.sxy = DECAY * self.sxx + rows * rows, DECAY * self.sxy + rows * seconds
-        self.syy = DECAY * self.syy + seconds * seconds
+    def add(self, rows: int, seconds: float, now: float | None = None) -> None:
+        decay = DECAY * (1.0 if now is None else age_factor(self.updated, now))
+        self.updated = now if now is not None else self.updated
+        self.w, self.w2 = decay * self.w + 1.0, decay * decay * self.w2 + 1.0
+        self.sx, self.sy = decay * self.sx + rows, decay * self.sy + seconds
+        self.sxx, self.sxy = decay * self.sxx + rows * rows, decay * self.sxy + rows * seconds
+        self.syy = decay * self.syy + seconds * seconds
 
-    @property
-    def samples(self) -> float:
-        """The effective number of steps behind the estimate."""
-        return self.w * self.w / self.w2 if self.w2 else 0.0
+    def samples(self, now: float | None = None) -> float:
+        """The effective number of steps behind the estimate, aged to ``now``."""
+        n = self.w * self.w / self.w2 if self.w2 else 0.0
+        return n if now is None else n * age_factor(self.updated, now)
 
-    def predict(self, rows: int) -> tuple[float, float]:
-        """(mean seconds, standard error) of a step of ``rows`` rows."""
+    def predict(self, rows: int, now: float | None = None) -> tuple[float, float]:
+        """(mean seconds, standard error) of a step of ``rows`` rows, as known at ``now``."""
         mx, my = self.sx / self.w, self.sy / self.w
         var_x, cov = self.sxx / self.w - mx * mx, self.sxy / self.w - mx * my
         slope = max(cov / var_x, 0.0) if var_x > 0.1 else 0.0  # more rows never cost less
         mean = max(my + slope * (rows - mx), 0.5 * my)
-        n = self.samples
+        n = self.samples(now)
         if n < 1.5:
             return mean, PRIOR_SPREAD * mean
         residual = max(self.syy / self.w - my * my - slope * cov, 0.0)
@@ -130,7 +143,8 @@ class CapDecision:
     cap: int  # the cap on every controlled row's draft length (0: the target alone)
     reason: str  # "pays": c > 0 beats the target alone at confidence; "alone": it does not (yet);
     #              "explore": a neighbour's upper bound looked better, run once to measure it;
-    #              "none": no row may draft; "pinned": only pinned rows draft
+    #              "none": no row may draft; "pinned": only pinned rows draft;
+    #              "priced": no draft can pay on this backend at this batch size, even if every one is kept
     rows: int
     bucket: str
     goodput: float | None = None  # expected tokens per second at the cap
@@ -150,12 +164,36 @@ class _Schedule:
     interval: int = 1
 
 
+MOST_DRAFTS = 16  # the longest block any request may ask the planner to price (a pass of 17 tokens per row)
+PassCost = Callable[[int, int], float]  # seconds of a scoring pass of (width, rows): ``models/pass_cost.py``
+
+
+def paying_cap(pass_cost: PassCost | None, rows: int, top: int) -> int:
+    """The largest draft length, at most ``top``, that can pay on a backend whose scoring passes cost
+    ``pass_cost``: one whose pass of ``1 + c`` tokens per row costs less than ``1 + c`` one-token passes, the most
+    it can commit even if every draft is kept and drafting is free. 0 when none can (llama.cpp's bitwise regime on
+    several threads: each token a pass of its own), and ``top`` when nothing is known of the backend.
+
+    The one test of whether drafting can pay at all: the controller applies it to every row (pinned ones too:
+    on such a backend their drafts would only cost), the factory to decide whether to load a draft model, and
+    calibration whether to time anything."""
+    if pass_cost is None or top <= 0:
+        return max(top, 0)
+    one = pass_cost(1, rows)
+    return max((c for c in range(1, top + 1) if pass_cost(1 + c, rows) < (1 + c) * one), default=0)
+
+
 @dataclass
 class SpeculationController:
-    """Chooses each step's draft cap from measured whole-step latency and per-request acceptance. Thread-safe."""
+    """Chooses each step's draft cap from measured whole-step latency and per-request acceptance. Thread-safe.
+
+    ``pass_cost``: the target backend's measured pass cost (``TargetBackend.pass_cost``), which prices caps not
+    yet timed and caps out drafts that cannot pay (``paying_cap``); ``clock``: the wall clock estimates age by."""
 
     max_explore_interval: int = 64
     pool: AcceptancePool = field(default_factory=AcceptancePool)
+    pass_cost: PassCost | None = field(default=None, repr=False, compare=False)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
     _latency: dict[tuple[int, int], LatencyStats] = field(default_factory=dict, repr=False)
     _catch_up: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # decayed tokens, seconds
     _schedules: dict[int, _Schedule] = field(default_factory=dict, repr=False)
@@ -188,6 +226,14 @@ class SpeculationController:
     def _decide(self, rows: Sequence[RowPlan], backlog: int) -> tuple[list[int], CapDecision]:
         size, bucket = len(rows), bucket_of(len(rows))
         label = bucket_label(bucket)
+        now = self.clock()
+        self.pool.age(now)
+        wanted = max((r.limit for r in rows), default=0)
+        paying = paying_cap(self.pass_cost, size, wanted)
+        if wanted and not paying:  # every draft would cost more than it can commit, pinned rows' too
+            return [0] * size, CapDecision(0, "priced", size, label)
+        if paying < wanted:  # the longest lengths cannot pay: nobody drafts past the longest that can
+            rows = [RowPlan(min(r.limit, paying), r.estimate, r.pinned, r.remaining) for r in rows]
         pinned_columns = max((r.limit for r in rows if r.pinned), default=0)
         top = max((r.limit for r in rows if not r.pinned), default=0)
         if top == 0:
@@ -197,7 +243,7 @@ class SpeculationController:
         remaining = sum(r.remaining for r in rows) / size
         per_token = self._catch_up[1] / self._catch_up[0] if self._catch_up[0] else 0.0
         catch_up = per_token * backlog  # seconds to feed the drafter's backlog (0 until one catch-up was timed)
-        latency = self._latency_line(bucket, size, max(top, pinned_columns))
+        latency = self._latency_line(bucket, size, max(top, pinned_columns), now)
         bounds = []  # per cap: goodput (mean, lower bound, upper bound)
         batch_tokens = []  # per cap: the batch's expected tokens
         for cap in range(top + 1):
@@ -276,13 +322,13 @@ class SpeculationController:
                     choice, reason = look, "explore"
         return choice, reason
 
-    def _latency_line(self, bucket: int, rows: int, top: int) -> list[tuple[float, float]]:
+    def _latency_line(self, bucket: int, rows: int, top: int, now: float) -> list[tuple[float, float]]:
         """(mean, standard error) of a step's seconds at ``rows`` rows for 0..``top`` columns: measured where
         timed; else on the least-squares line through the bucket's measured columns; with one measured column,
         at the relative cost of draft columns in the nearest smaller bucket that measured two (a larger batch
-        pays relatively more for its columns, so that guess is optimistic, never absurd), or the prior column
-        cost; with none, a unit scale (only ratios between caps matter then)."""
-        known = {c: stats.predict(rows) for (b, c), stats in self._latency.items() if b == bucket}
+        pays relatively more for its columns, so that guess is optimistic, never absurd), or the shape of the
+        backend's pass-cost curve; with none, that curve itself (the draft's own passes not yet known)."""
+        known = {c: stats.predict(rows, now) for (b, c), stats in self._latency.items() if b == bucket}
         spread = UNMEASURED_SPREAD
         if len(known) >= 2:
             xs, ys = list(known), [m for m, _ in known.values()]
@@ -292,23 +338,32 @@ class SpeculationController:
             line = lambda c: max(my + slope * (c - mx), min(ys))  # noqa: E731
         elif known:
             (c0, (m0, _)), = known.items()
-            column, transferred = self._column_cost(bucket)
-            base = m0 / (1 + column * c0)
-            line = lambda c: base * (1 + column * c)  # noqa: E731
+            shape, transferred = self._column_shape(bucket, rows, now)
+            base = m0 / shape(c0)
+            line = lambda c: base * shape(c)  # noqa: E731
             spread = TRANSFERRED_SPREAD if transferred else spread
+        elif self.pass_cost is not None:
+            line = lambda c: self.pass_cost(1 + c, rows)  # noqa: E731
         else:
             line = lambda c: 1.0 + PRIOR_COLUMN_COST * c  # noqa: E731
         return [known[c] if c in known else (line(c), spread * line(c)) for c in range(top + 1)]
 
-    def _column_cost(self, bucket: int) -> tuple[float, bool]:
-        """A draft column's cost relative to a step of the target alone, from the nearest smaller bucket that
-        timed both (its measured caps' slope over its c = 0 latency), and whether it was; else the prior."""
+    def _column_shape(self, bucket: int, rows: int, now: float) -> tuple[Callable[[int], float], bool]:
+        """A step's cost at c columns relative to the target alone (1 at c = 0), and whether it was measured:
+        from the nearest smaller bucket that timed both (its measured caps' slope over its c = 0 latency); else
+        the backend's pass-cost curve (the target's share only: optimistic where a draft model runs, which the
+        first look then measures); else the prior column cost."""
         for smaller in range(bucket - 1, -1, -1):
-            known = {c: stats.predict(1 << smaller)[0] for (b, c), stats in self._latency.items() if b == smaller}
+            known = {c: stats.predict(1 << smaller, now)[0] for (b, c), stats in self._latency.items()
+                     if b == smaller}
             if 0 in known and len(known) >= 2:
                 slopes = [(y - known[0]) / c for c, y in known.items() if c > 0]
-                return max(sum(slopes) / len(slopes) / known[0], PRIOR_COLUMN_COST), True
-        return PRIOR_COLUMN_COST, False
+                column = max(sum(slopes) / len(slopes) / known[0], 0.0)
+                return (lambda c: 1.0 + column * c), True
+        if self.pass_cost is not None:
+            one = self.pass_cost(1, rows)
+            return (lambda c: self.pass_cost(1 + c, rows) / one), False
+        return (lambda c: 1.0 + PRIOR_COLUMN_COST * c), False
 
     def stop_threshold(self, rows: int, cap: int, tokens: float) -> float:
         """Where a confidence-aware drafter may end a row's block early: once the draft's own probability of
@@ -322,7 +377,8 @@ class SpeculationController:
             last, before = self._latency.get((bucket, cap)), self._latency.get((bucket, cap - 1))
             if last is None or before is None:
                 return 0.0
-            step, previous = last.predict(rows)[0], before.predict(rows)[0]
+            now = self.clock()
+            step, previous = last.predict(rows, now)[0], before.predict(rows, now)[0]
         if step <= 0:
             return 0.0
         return min(max(step - previous, 0.0) / rows / (step / max(tokens, 1.0)), 1.0)
@@ -333,7 +389,7 @@ class SpeculationController:
         callbacks and lock waits excluded); ``catch_up``: (tokens fed, seconds) of the drafter's backlog pass."""
         with self._lock:
             if seconds > 0 and rows > 0:
-                self._latency.setdefault((bucket_of(rows), columns), LatencyStats()).add(rows, seconds)
+                self._latency.setdefault((bucket_of(rows), columns), LatencyStats()).add(rows, seconds, self.clock())
             if catch_up is not None and catch_up[0] > 0:
                 self._catch_up = [DECAY * self._catch_up[0] + catch_up[0], DECAY * self._catch_up[1] + catch_up[1]]
 

