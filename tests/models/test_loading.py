@@ -177,6 +177,24 @@ def test_local_folder_wins_over_a_hub_id_of_the_same_shape(tiny_hf_dir: Path, of
     assert model.config.vocab_size == len(WORDS)
 
 
+def test_a_hub_id_fetches_what_transformers_reads_and_no_second_copy() -> None:
+    """The files ``resolve`` asks the Hub for, as huggingface_hub filters a repository's listing: configs,
+    tokenizer files and the safetensors ``save_pretrained`` names, not a repository's other copies of the weights
+    (Mistral's consolidated.safetensors, fp16 variants, PyTorch pickles beside safetensors, ONNX)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from verispec.acquire.sources import HUB_FILES, HUB_PICKLES
+
+    wanted = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "merges.txt",
+              "vocab.json", "tokenizer.model", "chat_template.jinja", "model.safetensors.index.json",
+              "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    others = ["consolidated.safetensors", "model.fp16.safetensors", "pytorch_model.bin", "onnx/model.onnx",
+              "README.md", ".gitattributes", "original/consolidated.00.pth"]
+    assert sorted(filter_repo_objects(wanted + others, allow_patterns=HUB_FILES)) == sorted(wanted)
+    assert list(filter_repo_objects(["pytorch_model-00001-of-00002.bin", "flax_model.msgpack"],
+                                    allow_patterns=HUB_PICKLES)) == ["pytorch_model-00001-of-00002.bin"]
+
+
 @pytest.mark.parametrize("name", ["Qwen/Qwen2.5-Coder-7B-Instruct", "tiny-org/tiny-llama", "a/b"])
 def test_hub_ids_are_recognised(name: str) -> None:
     assert is_hub_id(name)
