@@ -121,8 +121,8 @@ def pass_cost_of(model: object) -> Callable[[int, int], float]:
 
 def priced_out_reason(model: object) -> str:
     """Why no draft can pay beside this target (its pass cost grows by a pass per token), for load messages."""
+    why = ("every token scored costs a pass of its own here (a block of k drafts costs k + 1 passes for at most "
+           "k + 1 tokens), so the planner never drafts")
     if getattr(model, "pass_cap", None) == 1:
-        return ("the target verifies one token per pass here (llama.cpp's bitwise regime on several threads), so a "
-                "block of k drafts costs k + 1 passes and the planner never drafts (--llama-threads 1 allows longer "
-                "passes)")
-    return "a scoring pass of several tokens costs as much as one pass per token here, so the planner never drafts"
+        why += " (llama.cpp's bitwise regime on several threads; --llama-threads 1 allows longer passes)"
+    return why
