@@ -15,12 +15,12 @@ import torch
 
 from .acquire import Progress, ZooError, check_source, is_gguf, resolve, say
 from .decode import SpeculativeDecoder
-from .decode.decoder import verifies_one_token_per_pass
 from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.loading import LoadError, load_model, load_tokenizer, parse_device, parse_model_dtype, same_tokenizer
-from .policy import AutoGamma, make_gamma_policy
+from .models.pass_cost import pass_cost_of, priced_out_reason
+from .policy import MOST_DRAFTS, make_gamma_policy, paying_cap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -205,10 +205,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
         if fast and prepack_linears(target_model):
             say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
-    if _draft_cannot_pay(target_model, draft, decoder_options):
-        say(progress, f"draft: {draft} not loaded: the target verifies one token per pass here (llama.cpp on "
-                      f"{target_model.settings.threads()} threads), so no draft can pay and 'auto' never drafts "
-                      "(--llama-threads 1, or a fixed --num-draft-tokens, to draft)")
+    if draft not in (None, "none", "ngram") and not paying_cap(pass_cost_of(target_model), 1, MOST_DRAFTS):
+        # Its weights (and a KV stream per row) would only cost memory: the planner would never run it.
+        say(progress, f"draft: {draft} not loaded: {priced_out_reason(target_model)}")
         draft = None
     drafter, draft_model = None, None
     if draft == "ngram":
@@ -234,7 +233,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
-    if calibrate and decoder.drafter is not None and not decoder.one_token_passes:
+    if calibrate and decoder.drafter is not None and paying_cap(decoder.pass_cost, 1, MOST_DRAFTS):
         say(progress, "calibrating: timing a few steps at draft lengths "
                       f"{', '.join(map(str, CALIBRATION_LENGTHS))} (so the first call is priced)")
         report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
@@ -242,13 +241,6 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
             say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "
                           + ", ".join(f"{k} drafts {t:.2f}" for k, t in report.tokens_per_step.items()))
     return decoder, tokenizer
-
-
-def _draft_cannot_pay(target_model: Any, draft: str | None, decoder_options: dict[str, Any]) -> bool:
-    """A draft *model* (not a free drafter) beside a target that verifies one token per pass, under "auto": it
-    would never draft, so loading it would only cost memory (its weights, and a KV stream per row)."""
-    return (draft not in (None, "none", "ngram") and verifies_one_token_per_pass(target_model)
-            and isinstance(make_gamma_policy(decoder_options.get("num_draft_tokens", "auto")), AutoGamma))
 
 
 def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[Any, PreTrainedTokenizerBase]:
