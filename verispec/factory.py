@@ -19,7 +19,8 @@ from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate a
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
 from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.loading import LoadError, load_model, load_tokenizer, parse_device, parse_model_dtype, same_tokenizer
-from .models.pass_cost import pass_cost_of, priced_out_reason
+from .models.backend import backend_of
+from .models.pass_cost import priced_out_reason
 from .policy import MOST_DRAFTS, make_gamma_policy, paying_cap
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
         if fast and prepack_linears(target_model):
             say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
-    if draft not in (None, "none", "ngram") and not paying_cap(pass_cost_of(target_model), 1, MOST_DRAFTS):
+    if draft not in (None, "none", "ngram") and not paying_cap(backend_of(target_model).pass_cost, 1, MOST_DRAFTS):
         # Its weights (and a KV stream per row) would only cost memory: the planner would never run it.
         say(progress, f"draft: {draft} not loaded: {priced_out_reason(target_model)}")
         draft = None

@@ -13,9 +13,9 @@ import torch
 from batch_support import job_rows
 from serving.serving_support import save_pair, word_tokenizer
 
-import verispec.models.pass_cost as pass_cost_module
 from verispec import load
 from verispec.decode import SpeculativeDecoder
+from verispec.models.backend import TorchBackend
 from verispec.models.pass_cost import PassCostCurve
 from verispec.offline import JobDefaults
 from verispec.offline.worker import GroupDecoder
@@ -58,7 +58,7 @@ def pair(tmp_path_factory):
 @pytest.fixture()
 def per_token_backend(monkeypatch):
     """Every torch target measures as the simulated per-token backend."""
-    monkeypatch.setattr(pass_cost_module, "torch_pass_cost", lambda model: PER_TOKEN)
+    monkeypatch.setattr(TorchBackend, "pass_cost", lambda self, width, rows=1: PER_TOKEN(width, rows))
 
 
 def greedy_rows(count: int = 12) -> list[tuple[int, dict]]:

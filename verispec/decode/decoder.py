@@ -30,8 +30,7 @@ from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.cache import CacheFullError, model_device, new_cache
-from ..models.capability import model_vocab_size, position_limit
-from ..models.pass_cost import pass_cost_of
+from ..models.backend import backend_of, is_model
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.controller import PassCost
 from ..policy.sources import SourceController
@@ -45,17 +44,6 @@ if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp
 
 
 _USE_DECODER_DRAFT = object()  # sentinel: `generate(draft=...)` not given
-
-
-def _is_model(draft: object) -> bool:
-    """A draft model: a transformers model or a backend's (llama.cpp's ``LlamaModel``)."""
-    if hasattr(draft, "new_cache"):
-        return True
-    if not isinstance(draft, torch.nn.Module):
-        return False
-    from transformers import PreTrainedModel  # here, not at import: its modeling module costs ~120 MB
-
-    return isinstance(draft, PreTrainedModel)
 
 
 class NonFiniteLogitsError(RuntimeError):
@@ -113,9 +101,8 @@ def shared_vocab_size(target_size: int, draft_size: int, vocab_size: int | None 
 
 def _model_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | None]:
     """A model's logits per position, the ids its input accepts, its longest sequence and why (if known)."""
-    if hasattr(model, "new_cache"):  # a backend's model (llama.cpp's LlamaModel) describes itself
-        return model.vocab_size, model.vocab_size, model.max_positions, model.max_positions_reason
-    return (model_vocab_size(model), model.get_input_embeddings().weight.shape[0], *position_limit(model))
+    backend = backend_of(model)
+    return backend.vocab_size, backend.input_vocab_size, backend.max_positions, backend.max_positions_reason
 
 
 def _new_controller(drafter: object, pass_cost: PassCost) -> SpeculationController:
@@ -189,7 +176,7 @@ class SpeculativeDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches
         self._leases = _DrafterLeases()
-        self._target_cost = pass_cost_of(target_model)
+        self.target = backend_of(target_model)  # what the loop reads of the target: the backend contract
         if self.drafter is not None:  # measured now, not inside a step: the first pass of a shape is slow
             self.pass_cost(1, 1)
         # One speculation controller per drafter, living as long as the decoder: the engine's batches and
@@ -202,7 +189,7 @@ class SpeculativeDecoder:
         """Seconds of one target pass scoring ``width`` tokens in each of ``rows`` rows, as this machine measured
         it (once, on first use, under the model lock: ``models/pass_cost.py``). The draft planner's input."""
         with self.model_lock:
-            return self._target_cost(width, rows)
+            return self.target.pass_cost(width, rows)
 
     @property
     def vocab_size(self) -> int:
@@ -288,7 +275,7 @@ class SpeculativeDecoder:
         """A call's drafter (a model is wrapped in a ``ModelDrafter``) and the limits that go with it."""
         if draft is _USE_DECODER_DRAFT:
             return self.drafter, self.limits
-        if _is_model(draft):  # a torch model, or llama.cpp's
+        if is_model(draft):  # a torch model, or llama.cpp's
             return ModelDrafter(draft.eval()), self._limits_with(draft)
         if draft is not None and not isinstance(draft, Drafter):
             raise TypeError(f"draft must be a PreTrainedModel, a LlamaModel, a Drafter or None, "

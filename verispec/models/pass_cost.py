@@ -110,15 +110,6 @@ def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
         return curve
 
 
-def pass_cost_of(model: object) -> Callable[[int, int], float]:
-    """The pass cost of a target: a backend's own (``LlamaModel.pass_cost``), else a torch model's
-    (``torch_pass_cost``, measured on first call)."""
-    own = getattr(model, "pass_cost", None)
-    if own is not None:
-        return own
-    return lambda width, rows=1: torch_pass_cost(model)(width, rows)
-
-
 def priced_out_reason(model: object) -> str:
     """Why no draft can pay beside this target (its pass cost grows by a pass per token), for load messages."""
     why = ("every token scored costs a pass of its own here (a block of k drafts costs k + 1 passes for at most "
