@@ -75,23 +75,32 @@ class LlamaModel:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = self.settings.repack
+        self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
+        self.context: _Context | None = None
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports)")
-        vocab = lib.llama_model_get_vocab(self.model)
-        self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
-        self.eos_ids = sorted(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t))
-        self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
-        self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
-        self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
-        s = self.settings
-        self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.streams)
-        self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
-        self.regime = probe_regime(self) if probe else None
+        try:  # what is loaded is freed again if the rest fails: nothing frees it later
+            vocab = lib.llama_model_get_vocab(self.model)
+            self.n_vocab = int(lib.llama_vocab_n_tokens(vocab))
+            self.eos_ids = sorted(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t))
+            self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
+            self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
+            s = self.settings
+            self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.streams)
+            self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
+            self.regime = probe_regime(self) if probe else None
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ what the decoder reads
     @property
     def vocab_size(self) -> int:
+        return self.n_vocab
+
+    @property
+    def input_vocab_size(self) -> int:
         return self.n_vocab
 
     @property

@@ -71,7 +71,7 @@ class Engine:
         ``max_batch_size`` to it."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        held = getattr(getattr(decoder, "target_model", None), "max_rows", None)
+        held = decoder.target.max_rows
         max_batch_size = min(max_batch_size, held or max_batch_size)
         if max_rows_per_group is not None and max_rows_per_group < 1:
             raise ValueError(f"max_rows_per_group must be >= 1, got {max_rows_per_group}")
