@@ -56,7 +56,7 @@ def _speculation_metrics(metrics: Mapping) -> Iterator[Metric]:
     speculation = metrics.get("speculation") or {}
     steps = CounterMetricFamily("verispec_speculation_steps",
                                 "Steps the speculation controller decided, by reason (pays, alone, explore, none, "
-                                "pinned).", labels=["reason"])
+                                "pinned, priced).", labels=["reason"])
     for name, count in sorted(speculation.get("steps_by_reason", {}).items()):
         steps.add_metric([name], count)
     yield steps
