@@ -3,7 +3,8 @@
 Exactness (greedy: token for token the target's own ``generate``, in batches of mixed prompt lengths, with EOS
 inside a block and rows joining a running engine batch; sampling: the target's law by chi-square at 1e-6), and
 what only this drafter has: responses shared by scope (a key's drafts never come from another key's answers),
-first-in-first-out eviction that bounds the trees, and its hit-rate telemetry. Each test also checks that the
+first-in-first-out eviction that bounds the caches, only emitted tokens stored (nothing after EOS inside an
+accepted block, nothing past the budget), and its hit-rate telemetry. Each test also checks that the
 drafter drafted and that drafts were kept, so no test passes on a drafter that never proposes."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from verispec import SpeculativeDecoder
 from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.drafters import CompositeDrafter, ModelDrafter, SuffixDrafter
 from verispec.drafters.suffix import ResponseTrees, SuffixSettings
-from verispec.policy import CapDecision, bucket_label, bucket_of
+from verispec.policy import CapDecision, SpeculationController, bucket_label, bucket_of
 from verispec.policy.sources import LOOKUP, MODEL, SourceController, SourceDecision
 from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent
 from verispec.serving.metrics import Metrics
@@ -129,6 +130,22 @@ def test_rows_join_and_leave_with_their_own_text() -> None:
     assert drafter.lookups(4) == [[9], [1, 2, 3]]  # [8] matched: one token; [1, 2, 3] matched: three
 
 
+def test_nothing_after_a_rows_stop_token_enters_the_caches() -> None:
+    """An accepted block may run past EOS (the drafts after it were scored too): the row emits up to and including
+    its EOS, and only that enters its scope's cache, whatever is committed after it."""
+    eos = 99
+    drafter = SuffixDrafter()
+    drafter.start([[5, 6, 7], [8, 6, 7]], SamplingParams(stop_token_ids=(eos, 98)), 512)
+    drafter.update([1, 0], [[40, 41], [60]])
+    drafter.update([5, 2], [[42, 43, eos, 44, 45, 46], [61, 62, 98]])  # a block past EOS; a bonus stop token
+    drafter.update([1, 0], [[47, 48], [63]])  # a batch drops ended rows first: still nothing of this
+    assert drafter.trees.size() == {"scopes": 1, "responses": 2, "tokens": 5 + 4, "running": 2}
+    drafter.select_rows([])
+    assert drafter.trees.size() == {"scopes": 1, "responses": 2, "tokens": 5 + 4, "running": 0}
+    assert one_row(drafter, [9, 9, 41, 42, 43]) == [eos]  # the response ends at its EOS
+    assert one_row(drafter, [9, 9, 60, 61, 62]) == [98]
+
+
 def test_forks_share_the_responses_and_nothing_else() -> None:
     drafter = SuffixDrafter()
     fork = drafter.fork()
@@ -153,17 +170,15 @@ def test_the_oldest_responses_are_evicted_first_and_the_trees_stay_bounded() -> 
     generator = torch.Generator().manual_seed(0)
     responses = [torch.randint(1, 500, (60,), generator=generator).tolist() for _ in range(40)]
     bounded, unbounded = SuffixDrafter(cache_size=4), SuffixDrafter(cache_size=1000)
-    memory = []
     for i, response in enumerate(responses):
         for drafter in (bounded, unbounded):
             answer(drafter, [1, 2, i], response)
-        assert bounded.trees.size()["responses"] == min(i + 1, 4)
-        memory.append(bounded.trees.memory_bytes())
-    assert bounded.trees.size() == {"scopes": 1, "responses": 4, "tokens": 240}
+        assert bounded.trees.size() == {"scopes": 1, "responses": min(i + 1, 4), "tokens": 60 * min(i + 1, 4),
+                                        "running": 0}
     assert bounded.trees.evicted == 36
-    # Memory once full stays at what four responses take, while the unbounded trees grow with every response.
-    assert max(memory[4:]) < 1.5 * memory[3]
-    assert unbounded.trees.memory_bytes() > 5 * memory[-1]
+    # The unbounded cache keeps every response (the prompts are in no scope's cache: only responses are).
+    assert unbounded.trees.size() == {"scopes": 1, "responses": 40, "tokens": 40 * 60, "running": 0}
+    assert unbounded.trees.evicted == 0
     # The oldest went first: the last response drafts, the first no longer does.
     assert one_row(bounded, [7] + responses[-1][:8])[:3] == responses[-1][8:11]
     assert one_row(bounded, [7] + responses[0][:8])[:2] != responses[0][8:10]  # at most a chance one-token match
@@ -176,7 +191,7 @@ def test_a_long_run_through_the_decoder_keeps_the_cap() -> None:
     for i in range(8):
         decoder.generate([prompt(6, i), prompt(9, 100 + i)], max_new_tokens=12)
         size = drafter.trees.size()
-        assert size["responses"] <= 3 and size["tokens"] <= 3 * 12
+        assert size["responses"] <= 3 and size["tokens"] <= 3 * 12 and size["running"] == 0
     assert drafter.trees.evicted == 16 - 3
 
 
@@ -234,13 +249,32 @@ def test_eos_inside_an_accepted_block_ends_the_row_there() -> None:
     eos = full[0][9]  # a token the first row emits mid-way
     drafter = SuffixDrafter()
     decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=6)
-    decoder.generate(prompts, max_new_tokens=MAX_NEW)  # the answers enter the tree: long blocks get accepted
+    first = decoder.generate(prompts, max_new_tokens=MAX_NEW)  # the answers enter the cache: long blocks accepted
     out = decoder.generate(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos)
+    # The cache holds what the rows emitted, no token drafted and accepted after an EOS.
+    emitted = sum(map(len, first.tokens + out.tokens))
+    assert drafter.trees.size() == {"scopes": 1, "responses": 4, "tokens": emitted, "running": 0}
     alone = decoder.generate(prompts, max_new_tokens=MAX_NEW, eos_token_id=eos, draft=None)
     assert out.tokens == alone.tokens and out.finish_reasons == alone.finish_reasons
     first_eos = full[0].index(eos)
     assert out.tokens[0] == full[0][: first_eos + 1] and out.finish_reasons[0] == "stop"
     assert out.stats.acceptance_rate > 0.5  # the EOS came inside long accepted blocks
+
+
+def test_a_block_that_would_pass_the_budget_enters_the_cache_cut_at_it() -> None:
+    """Rows whose whole answer is in the cache accept full blocks; MAX_NEW is not a multiple of the block, so the
+    last block meets the budget: the cache holds each answer once, exactly as emitted."""
+    target = pair("llama")[0]
+    prompts = [repetitive_prompt(5, 40), repetitive_prompt(8, 42)]
+    drafter = SuffixDrafter()
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=6)
+    # No measured pass cost: every row drafts its fixed length (within its budget), whatever the machine's load.
+    decoder.controller = SpeculationController()
+    first = decoder.generate(prompts, max_new_tokens=MAX_NEW)
+    out = decoder.generate(prompts, max_new_tokens=MAX_NEW)  # drafted from the first answers
+    assert out.tokens == first.tokens and [len(t) for t in out.tokens] == [MAX_NEW, MAX_NEW]
+    assert out.stats.acceptance_rate > 0.5 and out.stats.steps <= 6  # long blocks, 17 tokens in at most 6 steps
+    assert drafter.trees.size() == {"scopes": 1, "responses": 4, "tokens": 4 * MAX_NEW, "running": 0}
 
 
 def test_suffix_then_model_composite_is_exact_and_uses_both() -> None:
@@ -385,7 +419,7 @@ def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
         assert drafter.response_hits > 0
         # Every row that left wrote its whole answer into the global tree (drafted from by rows joining later).
         outputs = [c.tokens for c in [first] + rest + [again]]
-        assert drafter.trees.size() == {"scopes": 1, "responses": 6, "tokens": sum(map(len, outputs))}
+        assert drafter.trees.size() == {"scopes": 1, "responses": 6, "tokens": sum(map(len, outputs)), "running": 0}
         # Per-drafter telemetry: each request's finish stats, the engine's totals, /metrics by drafter.
         assert metrics["sources"]["suffix"]["draft_tokens"] == metrics["draft_tokens"]
         assert metrics["sources"]["suffix"]["hits"] > 0
@@ -501,11 +535,14 @@ def test_the_engine_passes_each_requests_scope_to_the_drafter() -> None:
 # As tests/stats/test_drafter_law.py: a tiny Qwen2 over 8 tokens, two contexts in one batch of 8000 rows each, the
 # joint law of the first three tokens per context by chi-square at 1e-6 (fixed seed). With ``share_sampled`` every
 # row drafts from its own text and from the answers of the rows before it, so drafts are often long and often wrong.
+# The cache keeps every answer: a running row holds a slot from its start, so a batch larger than the cache would
+# evict every earlier answer before its first draft.
 
 SMALL_VOCAB = 8
 CONTEXTS = ([1, 5, 2, 1, 5], [3, 6, 4, 7])
 ROWS_PER_CONTEXT = 8000
 NEW = 3
+EVERY_ANSWER = 2 * ROWS_PER_CONTEXT + 200
 
 
 def _token_law(model, context: list[int], params: SamplingParams, length: int) -> np.ndarray:
@@ -520,7 +557,8 @@ def _token_law(model, context: list[int], params: SamplingParams, length: int) -
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4)])
 def test_sampled_tokens_follow_the_target_law(settings) -> None:
     target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
-    drafter = SuffixDrafter(share_sampled=True, settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
+    drafter = SuffixDrafter(EVERY_ANSWER, share_sampled=True,
+                            settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
     prompts = [CONTEXTS[0]] * ROWS_PER_CONTEXT + [CONTEXTS[1]] * ROWS_PER_CONTEXT
     decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3)
     decoder.generate(prompts[:200], max_new_tokens=NEW, seed=5, **settings)  # earlier answers in the tree
@@ -658,7 +696,8 @@ def test_sampled_tokens_follow_the_target_law_with_lookup_and_model_rows_in_one_
     # Lookup rows (one-hot drafts) and model rows (the draft's distributions) verified in the same steps, and
     # lookup-only steps where the model idles: each row's tokens still follow the target's law.
     target, draft = build("qwen2", seed=3, vocab_size=SMALL_VOCAB), build("qwen2", seed=4, vocab_size=SMALL_VOCAB)
-    lookup = SuffixDrafter(share_sampled=True, settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
+    lookup = SuffixDrafter(EVERY_ANSWER, share_sampled=True,
+                            settings=SuffixSettings(min_token_prob=0.0, max_spec_offset=1.0))
     drafter = CompositeDrafter(lookup, ModelDrafter(draft))
     decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3)
     decoder.controller = _Alternating()

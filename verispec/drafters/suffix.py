@@ -1,25 +1,31 @@
 """Suffix decoding (Oliaro et al., arXiv 2411.04975): drafts from suffix trees over the request's own text and
 over earlier responses; no model.
 
-Each row has a tree of its own text (prompt + output so far); a tree of earlier responses is shared by the
-rows of one *scope* (all requests, one API key's requests, or none). Per step, each row matches the end of its
-text in both trees (every match length up to the trees' depth) and proposes the continuation with the best
-score, the sum of the continuation's estimated token probabilities (counts along the tree's path). A
-continuation stops once its estimated probability falls below ``min_token_prob`` or its length reaches
+Each row's own text (prompt + output so far) and the earlier responses of the rows of its *scope* (all
+requests, one API key's requests, or none) are looked up. Per step, each row matches the end of its text in
+both (every match length up to the trees' depth) and proposes the continuation with the best score, the sum of
+the continuation's estimated token probabilities (counts along the tree's path). A continuation stops once its
+estimated probability falls below ``min_token_prob`` or its length reaches
 ``max_spec_factor * match length + max_spec_offset``: long matches earn long drafts. Proposals are
 deterministic (``draft_probs=None``, lengths per row), so the output stays exact: the target decides.
 
-The trees are arctic-inference's ``SuffixTree`` (C++; what vLLM's suffix decoding runs), used directly: this
-module owns the rows, the scopes and the first-in-first-out eviction of responses. Measured on this project's
-2-core CPU machine (``benchmarks/suffix/README.md``): ``pip install arctic-inference==0.3.0`` builds its
-extension without CUDA or vLLM; a row's step (extend by the committed tokens, speculate over a 64-token
-context in both trees) costs tens of microseconds.
+The trees are arctic-inference's (what vLLM's suffix decoding runs), used through its public
+``SuffixDecodingCache``: one per scope holds that scope's responses (its ``max_cached_requests`` evicts the
+oldest first), and one per drafter holds its rows' own texts (``max_cached_requests=0``: no responses). This
+module owns the rows, the scopes and the bound across scopes. Measured on this project's 2-core CPU machine
+(``benchmarks/suffix/README.md``): ``pip install arctic-inference==0.3.0`` builds its extension without CUDA or
+vLLM; a row's step (extend by the committed tokens, speculate over a 64-token context) costs tens of
+microseconds.
 
-Reproducibility: a greedy row's output never depends on its drafts, so greedy rows draft from the shared
-trees. A sampled row's tokens depend on where its drafts are rejected, so a seed reproduces them only if its
+Only what a row emits enters the trees: its committed tokens up to and including its first stop token (the
+batch puts every EOS id in ``SamplingParams.stop_token_ids``), nothing after; the batch never commits more than
+a row's remaining budget (``Row.draft_limit``).
+
+Reproducibility: a greedy row's output never depends on its drafts, so greedy rows draft from their scope's
+responses. A sampled row's tokens depend on where its drafts are rejected, so a seed reproduces them only if its
 drafts depend on nothing but its own request: sampled rows draft from their own text alone unless
 ``share_sampled`` (then a seed no longer reproduces a request's tokens once other requests have run). Either
-way every row's output goes into its scope's tree.
+way every row's output goes into its scope's cache.
 """
 
 from __future__ import annotations
@@ -36,22 +42,21 @@ from ..core.sampling import SamplingParams
 from .base import Drafter, Proposal, per_row
 from .ngram import lookup_proposal
 
-try:  # the C++ suffix tree; optional: `pip install 'verispec[suffix]'`
-    from arctic_inference.suffix_decoding._C import SuffixTree
+try:  # arctic-inference's suffix trees; optional: `pip install 'verispec[suffix]'`
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
 except ImportError as _error:  # pragma: no cover - depends on the environment
-    SuffixTree = None
+    SuffixDecodingCache = None
     _IMPORT_ERROR: str | None = f"{type(_error).__name__}: {_error}"
 else:
     _IMPORT_ERROR = None
 
 SCOPES = ("global", "key", "request")
 DEFAULT_CACHE_SIZE = 1024  # earlier responses kept, all scopes together (about 350 bytes per token stored)
-MAX_SCOPES = 256  # trees of earlier responses kept at once (least recently used dropped beyond)
-_SEQ_MASK = 0x7FFFFFFF  # the tree's sequence ids are int32
+MAX_SCOPES = 256  # scope caches kept at once (least recently used dropped beyond)
 
 
 def suffix_unavailable() -> str | None:
-    """Why the suffix drafter cannot run here (its C++ tree is not installed), or None."""
+    """Why the suffix drafter cannot run here (arctic-inference is not installed), or None."""
     if _IMPORT_ERROR is None:
         return None
     return ("draft 'suffix' needs arctic-inference's suffix tree: pip install 'verispec[suffix]' "
@@ -92,28 +97,31 @@ class SuffixDraft:
     token_ids: list[int]
     score: float  # sum of the tokens' estimated probabilities: the expected number kept
     match_len: int  # tokens of the row's text the continuation was matched on
-    source: str  # "request" (the row's own text) or "responses" (its scope's earlier responses)
+    source: str  # "request" (the row's own text) or "responses" (its scope's responses, its own so far included)
 
 
-def _speculate(tree, context: list[int], settings: SuffixSettings) -> SuffixDraft | None:
-    draft = tree.speculate(context, settings.max_spec_tokens, settings.max_spec_factor, settings.max_spec_offset,
-                           settings.min_token_prob, False)
-    return SuffixDraft(list(draft.token_ids), float(draft.score), int(draft.match_len), "") if draft.token_ids else None
+def _speculate(cache: SuffixDecodingCache, request_id: int, context: list[int], settings: SuffixSettings,
+               source: str) -> SuffixDraft | None:
+    draft = cache.speculate(request_id, context, settings.max_spec_tokens, settings.max_spec_factor,
+                            settings.max_spec_offset, settings.min_token_prob, False)
+    return SuffixDraft(list(draft.token_ids), float(draft.score), int(draft.match_len), source) \
+        if draft.token_ids else None
 
 
 @dataclass
 class _Scope:
-    """The tree of one scope's earlier responses."""
+    """One scope's responses."""
 
-    tree: object
-    responses: dict[int, int] = field(default_factory=dict)  # seq id -> tokens stored
+    cache: SuffixDecodingCache
+    tokens: dict[int, int] = field(default_factory=dict)  # request id -> tokens in its response, oldest first
 
 
 class ResponseTrees:
-    """Earlier responses in one suffix tree per scope key: at most ``cache_size`` responses in all (the oldest
-    evicted first, whatever its scope), so memory is bounded by the responses' lengths however many scopes
-    there are, and at most ``max_scopes`` trees (the least recently used dropped with its responses). Shared by
-    a drafter and its forks (batches on other threads): every call takes the lock."""
+    """Earlier responses, one arctic-inference ``SuffixDecodingCache`` per scope key: at most ``cache_size``
+    responses in all (each cache evicts its oldest first; beyond that the oldest of any scope goes), so memory is
+    bounded by the responses' lengths however many scopes there are, and at most ``max_scopes`` caches (the least
+    recently used dropped with its responses). Shared by a drafter and its forks (batches on other threads):
+    every call takes the lock."""
 
     def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE, max_depth: int = 64, max_scopes: int = MAX_SCOPES) -> None:
         if cache_size < 0 or max_scopes < 1:
@@ -121,77 +129,91 @@ class ResponseTrees:
         self.cache_size, self.max_depth, self.max_scopes = cache_size, max_depth, max_scopes
         self._lock = threading.Lock()
         self._scopes: OrderedDict[Hashable, _Scope] = OrderedDict()  # least recently used first
-        self._fifo: OrderedDict[tuple[int, int], _Scope] = OrderedDict()  # (id(scope), seq id), oldest first
-        self._seq_ids = itertools.count()
+        # Unique across scopes and forks, and increasing: the smallest id a cache holds is its oldest response.
+        self._request_ids = itertools.count()
         self.evicted = 0  # responses evicted so far (telemetry)
 
     def scope(self, key: Hashable) -> _Scope:
-        """The tree of ``key``'s responses (a new one the first time)."""
+        """The cache of ``key``'s responses (a new one the first time)."""
         with self._lock:
             entry = self._scopes.pop(key, None)
             if entry is None:
-                entry = _Scope(SuffixTree(self.max_depth))
+                entry = _Scope(SuffixDecodingCache(self.max_depth, max_cached_requests=self.cache_size))
                 while len(self._scopes) >= self.max_scopes:
                     _, dropped = self._scopes.popitem(last=False)
-                    for seq_id in list(dropped.responses):
-                        self._evict(dropped, seq_id)
+                    for request_id in list(dropped.cache.cached_requests):  # its running rows write to no one
+                        self._evict(dropped, request_id)
             self._scopes[key] = entry
             return entry
 
-    def new_response(self) -> int:
+    def new_request_id(self) -> int:
         with self._lock:
-            return next(self._seq_ids) & _SEQ_MASK
+            return next(self._request_ids)
 
-    def extend(self, scope: _Scope, seq_id: int, tokens: list[int], first: bool) -> None:
-        """Append ``tokens`` to response ``seq_id`` (``first``: its first tokens, which may evict the oldest)."""
-        if self.cache_size == 0 or not tokens:
-            return
+    def start(self, scope: _Scope, request_id: int) -> None:
+        """A new response in ``scope``, under a fresh ``new_request_id`` (its prompt is not stored there: the
+        drafter holds its rows' own texts). Its slot may evict the oldest response."""
         with self._lock:
-            if first:
-                if seq_id in scope.responses:  # a 2**31 wrap-around met a response still kept
-                    self._evict(scope, seq_id)
-                scope.responses[seq_id] = 0
-                self._fifo[(id(scope), seq_id)] = scope
-                while len(self._fifo) > self.cache_size:
-                    (_, oldest), owner = next(iter(self._fifo.items()))
-                    self._evict(owner, oldest)
-            elif seq_id not in scope.responses:  # evicted while its row was still running
-                return
-            scope.tree.extend(seq_id, tokens)
-            scope.responses[seq_id] += len(tokens)
+            cached = len(scope.cache.cached_requests)
+            scope.cache.start_request(request_id, [])
+            self.evicted += cached + 1 - len(scope.cache.cached_requests)  # the cache's own evictions
+            while scope.tokens and next(iter(scope.tokens)) not in scope.cache.cached_requests:
+                scope.tokens.pop(next(iter(scope.tokens)))
+            scope.tokens[request_id] = 0
+            while sum(len(s.cache.cached_requests) for s in self._scopes.values()) > self.cache_size:
+                oldest = min((s for s in self._scopes.values() if s.cache.cached_requests),
+                             key=lambda s: next(iter(s.cache.cached_requests)))
+                self._evict(oldest, next(iter(oldest.cache.cached_requests)))
 
-    def _evict(self, scope: _Scope, seq_id: int) -> None:
-        del scope.responses[seq_id]
-        del self._fifo[(id(scope), seq_id)]
-        scope.tree.remove(seq_id)
+    def add(self, scope: _Scope, request_id: int, tokens: list[int]) -> None:
+        """Append ``tokens`` to a running response (one already evicted takes them in its row's text only)."""
+        with self._lock:
+            scope.cache.add_active_response(request_id, tokens)
+            if request_id in scope.tokens:
+                scope.tokens[request_id] += len(tokens)
+
+    def stop(self, scope: _Scope, request_id: int) -> None:
+        """The response is complete: it stays until evicted."""
+        with self._lock:
+            scope.cache.stop_request(request_id)
+
+    def _evict(self, scope: _Scope, request_id: int) -> None:
+        scope.cache.evict_cached_response(request_id)
+        scope.tokens.pop(request_id, None)
         self.evicted += 1
 
-    def speculate(self, scope: _Scope, context: list[int], settings: SuffixSettings) -> SuffixDraft | None:
+    def speculate(self, scope: _Scope, request_id: int, context: list[int],
+                  settings: SuffixSettings) -> SuffixDraft | None:
         with self._lock:
-            if not scope.responses:
-                return None
-            return _speculate(scope.tree, context, settings)
+            return _speculate(scope.cache, request_id, context, settings, "responses")
 
     def size(self) -> dict[str, int]:
-        """Scopes, responses and tokens held now."""
+        """Scopes, responses and their tokens held now, and responses still being written (rows running)."""
         with self._lock:
-            return {"scopes": len(self._scopes), "responses": len(self._fifo),
-                    "tokens": sum(sum(s.responses.values()) for s in self._scopes.values())}
-
-    def memory_bytes(self) -> int:
-        """The trees' memory, as the C++ tree estimates it (walks every node: for tests and diagnostics only)."""
-        with self._lock:
-            return sum(int(s.tree.estimate_memory()) for s in self._scopes.values())
+            held = [(s, s.cache.cached_requests) for s in self._scopes.values()]
+            return {"scopes": len(held), "responses": sum(len(cached) for _, cached in held),
+                    "tokens": sum(n for s, cached in held for r, n in s.tokens.items() if r in cached),
+                    "running": sum(len(s.cache.active_requests) for s, _ in held)}
 
 
 @dataclass
 class _Row:
-    tree: object  # the row's own text: prompt + output so far
+    request_id: int  # in the drafter's cache of own texts, and in its scope's cache
     context: list[int]  # its last tokens (at most 2 * max_depth), what is matched
-    scope: _Scope | None  # the earlier responses it writes to (None: scope "request")
+    scope: _Scope | None  # the responses it writes to (None: scope "request", or no responses kept)
     reads_responses: bool  # whether it drafts from them too
-    seq_id: int = -1  # its response in the scope's tree
-    written: int = 0  # output tokens written there
+    stop_ids: frozenset[int]  # a row's output ends at its first of these (the batch's EOS ids)
+    ended: bool = False  # it committed a stop token: later tokens are not its output
+
+    def emitted(self, tokens: list[int]) -> list[int]:
+        """What the row emits of a step's committed ``tokens``: up to and including its first stop token."""
+        if self.ended:
+            return []
+        for j, token in enumerate(tokens):
+            if token in self.stop_ids:
+                self.ended = True
+                return list(tokens[: j + 1])
+        return list(tokens)
 
 
 class SuffixDrafter(Drafter):
@@ -215,6 +237,8 @@ class SuffixDrafter(Drafter):
         self.settings = settings or SuffixSettings()
         self.share_sampled = share_sampled
         self.trees = trees if trees is not None else ResponseTrees(cache_size, self.settings.max_depth)
+        # The rows' own texts: one local tree per row, no responses (this batch's alone: no lock).
+        self._texts = SuffixDecodingCache(self.settings.max_depth, max_cached_requests=0)
         self.calls = 0  # no forward passes, ever
         self.vocab_size: int | None = None  # ids the target may emit: a prompt may hold others, never proposed
         self._rows: list[_Row] = []
@@ -235,20 +259,22 @@ class SuffixDrafter(Drafter):
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
               vocab_size: int) -> None:
+        self.select_rows([])  # rows of an earlier batch end (their responses stay)
         self.vocab_size = vocab_size
-        self._rows = []
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         for prompt, params in zip(prompts, per_row(sampling, len(prompts)), strict=True):
-            tree = SuffixTree(self.settings.max_depth)
-            tree.extend(0, list(prompt))
             scope = None
-            if self.scope_mode != "request":
+            if self.scope_mode != "request" and self.trees.cache_size > 0:
                 scope = self.trees.scope(params.draft_scope if self.scope_mode == "key" else None)
+            request_id = self.trees.new_request_id()
+            if scope is not None:
+                self.trees.start(scope, request_id)
+            self._texts.start_request(request_id, list(prompt))
             reads = scope is not None and (params.greedy or self.share_sampled)
-            self._rows.append(_Row(tree, list(prompt[-2 * self.settings.max_depth:]), scope, reads,
-                                   self.trees.new_response()))
+            self._rows.append(_Row(request_id, list(prompt[-2 * self.settings.max_depth:]), scope, reads,
+                                   frozenset(params.stop_token_ids)))
         self._drafts = None
 
     def drafts(self) -> list[SuffixDraft | None]:
@@ -264,13 +290,11 @@ class SuffixDrafter(Drafter):
 
     def _best(self, row: _Row) -> SuffixDraft | None:
         context = row.context[-self.settings.max_depth:]
-        best = _speculate(row.tree, context, self.settings)
-        if best is not None:
-            best.source = "request"
+        best = _speculate(self._texts, row.request_id, context, self.settings, "request")
         if row.reads_responses:
-            other = self.trees.speculate(row.scope, context, self.settings)
+            other = self.trees.speculate(row.scope, row.request_id, context, self.settings)
             if other is not None and (best is None or other.score > best.score):  # ties: the row's own text
-                other.source, best = "responses", other
+                best = other
         if best is not None and self.vocab_size is not None and max(best.token_ids) >= self.vocab_size:
             cut = next(i for i, t in enumerate(best.token_ids) if t >= self.vocab_size)
             best.token_ids, best.score = best.token_ids[:cut], best.score * cut / len(best.token_ids)
@@ -290,21 +314,28 @@ class SuffixDrafter(Drafter):
         return lookup_proposal(self.lookups(num_draft_tokens))
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        """Each row's emitted tokens enter its own text and its scope's responses: its committed tokens up to
+        and including its first stop token; after that token, none (an accepted block may run past it)."""
         depth = self.settings.max_depth
         for row, tokens in zip(self._rows, new_tokens, strict=True):
-            if not tokens:
+            emitted = row.emitted(tokens)
+            if not emitted:
                 continue
-            tokens = list(tokens)
-            row.tree.extend(0, tokens)
-            row.context += tokens
+            self._texts.add_active_response(row.request_id, emitted)
+            row.context += emitted
             if len(row.context) > 2 * depth:
                 del row.context[:-depth]
             if row.scope is not None:
-                self.trees.extend(row.scope, row.seq_id, tokens, first=row.written == 0)
-                row.written += len(tokens)
+                self.trees.add(row.scope, row.request_id, emitted)
         self._drafts = None
 
     def select_rows(self, rows: list[int]) -> None:
-        """Rows not kept end; their output stays in their scope's tree until evicted."""
+        """Rows not kept end; their output stays in their scope's cache until evicted."""
+        kept = set(rows)
+        for b, row in enumerate(self._rows):
+            if b not in kept:
+                self._texts.stop_request(row.request_id)
+                if row.scope is not None:
+                    self.trees.stop(row.scope, row.request_id)
         self._rows = [self._rows[r] for r in rows]
         self._drafts = None
