@@ -274,6 +274,47 @@ def test_single_part_entry_is_verified_in_place(tmp_path: Path, monkeypatch: pyt
     assert zoo.resolve_gguf(entry.name, cache=tmp_path) == got
 
 
+def test_resolve_a_zoo_gguf_to_checked_files_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one entry end to end on a real (tiny) GGUF packaged as a zoo entry: installed, its sha256 checked, its
+    tokenizer (and, for torch, its config) converted once; a second resolve only re-reads the marker; the torch
+    backend loads from the files alone."""
+    from tiny_llama import VOCAB, tiny_hf_model, write_gguf
+
+    from verispec.acquire import ModelFiles
+    from verispec.models.loading import load_files
+
+    write_gguf(tiny_hf_model(), tmp_path / "tiny.gguf")
+    blob = (tmp_path / "tiny.gguf").read_bytes()
+    entry = ZooEntry("fake-tiny", "", (("fake-tiny", "1.0"),), "fake_tiny/tiny.gguf", "tiny.gguf", len(blob),
+                     _sha(blob), "", "")
+    monkeypatch.setitem(ZOO, entry.name, entry)
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(zoo, "_pip_install", lambda dist, version, target: _fake_install(
+        target, dist, version, entry.part_pattern, blob))
+    msgs: list[str] = []
+    files = resolve(entry.name, backend="llama.cpp", progress=msgs.append, cache=cache)
+    gguf = cache / "packages" / entry.name / entry.part_pattern
+    assert files.path == gguf and files.kind == "gguf" and files.source == "zoo" and files.config is None
+    assert (files.tokenizer / "tokenizer_config.json").is_file() and files.tokenizer.is_relative_to(cache / "hf")
+    assert [m.split(" (")[0] for m in msgs] == ["installing fake-tiny==1.0", "verifying sha256 of tiny.gguf",
+                                                "converting tokenizer from tiny.gguf"]
+
+    _forbid_hashing(monkeypatch)  # the marker vouches; nothing is converted again but the torch config
+    msgs.clear()
+    torch_files = resolve(entry.name, progress=msgs.append, cache=cache)
+    assert torch_files == ModelFiles(entry.name, "gguf", gguf, files.tokenizer, torch_files.config, "zoo")
+    assert msgs == ["reading config from tiny.gguf ..."] and (torch_files.config / "config.json").is_file()
+    msgs.clear()
+    assert resolve(entry.name, progress=msgs.append, cache=cache) == torch_files and msgs == []
+
+    model, tokenizer = load_files(torch_files, progress=msgs.append)
+    assert model.config.vocab_size == len(tokenizer) == VOCAB and not model.training
+    assert msgs == [f"loading tokenizer from cache {files.tokenizer}", "loading weights from tiny.gguf (dequantising "
+                    "to float32) ..."]
+    with pytest.raises(ValueError, match="resolved for llama.cpp"):
+        load_files(files)
+
+
 # ------------------------------------------------------- table, names, dtype
 
 
