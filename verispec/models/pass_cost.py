@@ -52,13 +52,17 @@ class PassCostCurve:
         return self._at(total)
 
     def _at(self, n: int) -> float:
+        """One call of n tokens. Never n one-token calls or more: a kernel that scores n tokens at once is never
+        slower than n calls of one (it could run them), so a measurement saying so is noise (a tiny model's
+        passes on a busy machine), and only cutting passes (``per_call``) makes a block cost a pass per token."""
+        most = n * self.seconds[0] * (1 - 1e-3) if n > 1 else self.seconds[0]
         for tokens, seconds in zip(self.tokens, self.seconds):
             if tokens >= n:
-                return seconds
-        if len(self.tokens) == 1:  # one count measured: each further token at its cost (the pessimistic line)
-            return self.seconds[0] * n / self.tokens[0]
+                return min(seconds, most)
+        if len(self.tokens) == 1:  # one count measured: each further token at nearly its cost (pessimistic)
+            return most
         (n0, s0), (n1, s1) = zip(self.tokens[-2:], self.seconds[-2:])
-        return s1 + (s1 - s0) / (n1 - n0) * (n - n1)
+        return min(s1 + (s1 - s0) / (n1 - n0) * (n - n1), most)
 
     def ratio(self, width: int, rows: int = 1) -> float:
         """A pass of ``width`` tokens per row over a pass of one token per row (same rows)."""

@@ -228,12 +228,17 @@ class SpeculationController:
         label = bucket_label(bucket)
         now = self.clock()
         self.pool.age(now)
-        wanted = max((r.limit for r in rows), default=0)
+        # Pinned rows are priced at one row: a property of the backend, not of the load, so their lengths (and a
+        # seeded request's tokens) never depend on which rows share the step.
+        wanted = max((r.limit for r in rows if not r.pinned), default=0)
+        wanted_pinned = max((r.limit for r in rows if r.pinned), default=0)
         paying = paying_cap(self.pass_cost, size, wanted)
-        if wanted and not paying:  # every draft would cost more than it can commit, pinned rows' too
+        paying_pinned = paying_cap(self.pass_cost, 1, wanted_pinned)
+        if (wanted or wanted_pinned) and not paying and not paying_pinned:  # no draft can commit what it costs
             return [0] * size, CapDecision(0, "priced", size, label)
-        if paying < wanted:  # the longest lengths cannot pay: nobody drafts past the longest that can
-            rows = [RowPlan(min(r.limit, paying), r.estimate, r.pinned, r.remaining) for r in rows]
+        if paying < wanted or paying_pinned < wanted_pinned:  # nobody drafts past the longest that can pay
+            rows = [RowPlan(min(r.limit, paying_pinned if r.pinned else paying), r.estimate, r.pinned, r.remaining)
+                    for r in rows]
         pinned_columns = max((r.limit for r in rows if r.pinned), default=0)
         top = max((r.limit for r in rows if not r.pinned), default=0)
         if top == 0:
