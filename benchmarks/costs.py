@@ -45,7 +45,7 @@ def time_forward(model, context_ids: list[int], ks: list[int], repeats: int) -> 
             t0 = time.perf_counter()
             lm.forward(new, torch.ones_like(new, dtype=torch.bool), positions)
             elapsed = time.perf_counter() - t0
-            lm.rollback([0], k)
+            lm.rollback([len(context_ids)])  # back to the cached context
             if r:  # first run warms up
                 samples.append(elapsed)
         out[k] = statistics.median(samples)

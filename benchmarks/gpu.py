@@ -75,7 +75,7 @@ def time_forward(model, device: str, context: int, sizes: list[int], repeats: in
             sync(device)
             if r >= 2:
                 samples.append(time.perf_counter() - t0)
-            lm.rollback([0] * batch, m)
+            lm.rollback([context] * batch)  # back to the cached context
         out[m] = statistics.median(samples)
     return out
 

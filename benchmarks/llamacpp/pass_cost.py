@@ -68,7 +68,7 @@ def measure_torch(target: str, dtype: str, threads: int, depth: int, sizes: list
                 t0 = time.perf_counter()
                 lm.forward(ids, torch.ones(1, n, dtype=torch.bool), torch.arange(depth, depth + n)[None])
                 samples[n].append(time.perf_counter() - t0)
-                lm.rollback([0], n)
+                lm.rollback([depth])  # back to the cached context
     one = statistics.median(samples[1])
     return {"backend": f"torch {dtype}", "repack": None, "cap": None, "threads": threads, "depth": depth,
             "ms": {n: [round(1000 * s, 2) for s in v] for n, v in samples.items()},

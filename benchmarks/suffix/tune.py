@@ -62,7 +62,7 @@ def pass_costs(decoder, prompt: list[int], repeats: int) -> dict[int, float]:
             t0 = time.perf_counter()
             cache.forward(ids[:, :n], torch.ones(1, n, dtype=torch.bool), torch.arange(depth, depth + n)[None])
             samples[n].append(time.perf_counter() - t0)
-            cache.rollback([0], n)
+            cache.rollback([depth])  # back to the prompt
     return {n: statistics.median(s) for n, s in samples.items()}
 
 

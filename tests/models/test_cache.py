@@ -55,7 +55,7 @@ def test_rollback_by_different_amounts_per_row(kind: str, compact: bool) -> None
             for j in range(5):
                 torch.testing.assert_close(logits[b, j], fresh_logits(model, histories[b] + block[b][: j + 1]),
                                            atol=1e-4, rtol=1e-4)
-        lm.rollback(kept, 5)
+        lm.rollback([len(h) + n for h, n in zip(histories, kept)])  # each row keeps n of its 5 new tokens
         histories = [h + blk[:n] for h, blk, n in zip(histories, block, kept)]
         assert lm.slot_mask.sum(dim=1).tolist() == [len(h) for h in histories]
     if compact:
@@ -69,8 +69,60 @@ def test_all_rows_rejecting_the_tail_crops_the_cache() -> None:
     lm.reset(2)
     feed(lm, [prompt(4, 1), prompt(4, 2)], [0, 0])
     feed(lm, [prompt(3, 3), prompt(3, 4)], [4, 4])
-    lm.rollback([1, 2], 3)
+    lm.rollback([5, 6])
     assert lm.num_slots == 6 and lm.cache.get_seq_length() == 6
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_rollback_to_any_length_over_several_passes(kind: str) -> None:
+    """A rollback names each row's length, however far back and over however many passes (left padding and holes
+    between them): row 0 back into its prompt, row 1 to nothing, row 2 untouched; each row then continues as a
+    fresh pass over the tokens it kept, and the slots no row keeps are cropped."""
+    model = build(kind)
+    lm = CachedLM(model)
+    histories = [prompt(6, 1), prompt(2, 2), prompt(4, 3)]
+    lm.reset(3)
+    feed(lm, histories, [0, 0, 0])  # row 1 left-padded by 4
+    for step in range(3):  # three passes of 2 tokens, rows 1 and 2 keeping fewer than they were fed
+        block = [prompt(2, 20 + 3 * step + b) for b in range(3)]
+        feed(lm, block, [len(h) for h in histories])
+        kept = [2, 1, 1 if step < 2 else 2]
+        lm.rollback([len(h) + n for h, n in zip(histories, kept)])
+        histories = [h + blk[:n] for h, blk, n in zip(histories, block, kept)]
+    lengths = [3, 0, len(histories[2])]
+    lm.rollback(lengths)
+    histories = [h[:n] for h, n in zip(histories, lengths)]
+    assert lm.slot_mask.sum(dim=1).tolist() == lengths
+    assert lm.num_slots == lm.cache.get_seq_length() and lm.slot_mask[:, -1].any()  # nothing unused at the end
+    logits = feed(lm, [[7], [8], [9]], lengths)  # [3, 1, V]
+    for b, token in enumerate([7, 8, 9]):
+        torch.testing.assert_close(logits[b, -1], fresh_logits(model, histories[b] + [token]), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"rows \[1\]"):  # a rollback never adds positions
+        lm.rollback([3, 2, 1])
+
+
+def test_rolling_every_row_back_to_nothing_empties_the_cache() -> None:
+    lm = CachedLM(build("qwen2"))
+    lm.reset(2)
+    feed(lm, [prompt(3, 1), prompt(5, 2)], [0, 0])
+    lm.rollback([0, 0])
+    assert lm.num_slots == 0 and lm.cache.get_seq_length() == 0 and lm.batch_size == 2
+
+
+def test_close_releases_the_tensors_and_the_cache_opens_again() -> None:
+    """``close`` (or leaving ``with``) drops every row's keys and values at once; ``reset`` opens it again."""
+    model = build("llama")
+    with CachedLM(model) as lm:
+        lm.reset(2)
+        feed(lm, [prompt(4, 1), prompt(2, 2)], [0, 0])
+        held = lm.cache
+        assert held.get_seq_length() == 4
+    assert lm.batch_size == 0 and lm.num_slots == 0 and lm.cache is not held and lm.cache.get_seq_length() == 0
+    lm.close()  # twice: harmless
+    history = prompt(3, 5)
+    lm.reset(1)
+    logits = feed(lm, [history], [0])
+    torch.testing.assert_close(logits[0, -1], fresh_logits(model, history), atol=1e-4, rtol=1e-4)
 
 
 def test_select_rows_frees_finished_rows() -> None:

@@ -70,15 +70,19 @@ class DecodeBatch:
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # [B] committed tokens per row
 
     def close(self) -> None:
-        """Give the drafter back (another batch may use it from now on) and free the rows left in the target's
-        cache (a batch closed after a failure: their memory is free now, not when the batch is collected); the
-        batch must not step again."""
-        self.clock.settle()
-        if self.target.batch_size:
-            self.target.select_rows([])
-        if self._on_close is not None:
-            self._on_close()
-            self._on_close = None
+        """Free the memory of the rows left (a batch closed after a failure: now, whatever still refers to the
+        batch or its caches) and give the drafter back (another batch may use it from now on): the target's cache
+        is closed and the drafter drops its rows (a model draft's cache frees theirs). The batch must not step
+        again."""
+        try:
+            if self._drafter_started:
+                self.drafter.select_rows([])
+        finally:
+            self.target.close()
+            if self._on_close is not None:
+                self._on_close()
+                self._on_close = None
+            self.clock.settle()
 
     def _add_draft_time(self, seconds: float) -> None:
         self.stats.draft_time_s += seconds
@@ -109,11 +113,15 @@ class DecodeBatch:
                 return
             prompts = [row.prompt for row in rows]
             fresh = new_cache(self.target.model)
-            fresh.reset(len(rows))
-            if fresh.prefill(prompts):
-                self.stats.target_calls += 1
-            if self.drafter is not None:
-                self._add_to_drafter(prompts, [row.sampling for row in rows])
+            try:
+                fresh.reset(len(rows))
+                if fresh.prefill(prompts):
+                    self.stats.target_calls += 1
+                if self.drafter is not None:
+                    self._add_to_drafter(prompts, [row.sampling for row in rows])
+            except BaseException:
+                fresh.close()  # the new rows' memory is free now, not once the traceback lets go of the cache
+                raise
         self.target.append_rows(fresh)
         self.rows += rows
         self.last_ids = torch.cat([self.last_ids, torch.tensor([p[-1] for p in prompts], device=self.device)])
@@ -379,8 +387,9 @@ class DecodeBatch:
             if row.on_tokens is not None:
                 callbacks += time.perf_counter() - t0
 
-        # Roll back: each row keeps its last committed token's slot plus its accepted drafts' slots.
-        self.target.rollback([n + 1 for n in record.row_accepted], record.draft_length + 1)
+        # Roll back: each row's cache keeps its committed tokens (its prompt and output) but the last, which opens
+        # its next block; a row that ended keeps fewer (its output stops at EOS) and leaves the batch below.
+        self.target.rollback([len(row.prompt) + len(row.output) - 1 for row in self.rows])
         if self.drafter is not None:
             self.drafter.update(record.row_accepted, new_tokens)
         self.last_ids = torch.tensor([t[-1] for t in new_tokens], device=self.device)

@@ -126,8 +126,12 @@ class ModelDrafter(Drafter):
         order = [r for r in range(len(self.pending)) if r not in chosen] + rows  # position -> row, after append
         self.lm.select_rows(order[: len(order) - len(rows)])
         fresh = new_cache(self.model)
-        fresh.reset(len(rows))
-        fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+        try:
+            fresh.reset(len(rows))
+            fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
+        except BaseException:
+            fresh.close()  # its rows' memory is free now, not once the traceback lets go of the cache
+            raise
         self.calls += 1
         self.lm.append_rows(fresh)
         self.lm.select_rows(sorted(range(len(order)), key=order.__getitem__))  # back to the rows' own order
@@ -194,8 +198,9 @@ class ModelDrafter(Drafter):
             return
         fed = self._fed_drafts
         kept = [min(n, fed) for n in num_accepted]  # drafts that were fed and accepted stay in the cache
-        self.lm.rollback(kept, fed)
         self.cached += torch.tensor([len(p) + c for p, c in zip(self.pending, kept)], dtype=torch.long)
+        if fed:  # the drafts fed past the accepted ones leave the cache: each row keeps its committed tokens
+            self.lm.rollback(self.cached.tolist())
         self.pending = [tokens[c:] for tokens, c in zip(new_tokens, kept)]
         self._fed_drafts = None
 

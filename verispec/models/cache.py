@@ -6,8 +6,8 @@ cache slot instead carries a validity bit in ``slot_mask`` (``[B, S]``), which i
 2-D attention mask:
 
 - a forward pass appends one slot per input column for every row;
-- rolling back a row clears the bits of its rejected slots (they become holes that nothing attends to),
-  and the slots that no row kept are cropped off the end of the cache;
+- ``rollback(lengths)`` keeps row b's first ``lengths[b]`` positions (its first valid slots): its later slots
+  become holes that nothing attends to, and the slots that no row keeps are cropped off the end of the cache;
 - position ids are tracked per row by the caller, independently of slot indices, so holes and left padding
   never shift a row's positions;
 - when holes make up too much of the cache it is compacted (valid slots gathered to the right).
@@ -17,14 +17,17 @@ depends on positions and the mask, not on slot indices. ``CachedLM(model)`` chec
 recurrent cache layers, which cannot be rewound and would silently lose state, are refused from the cache's
 layer types; everything else is found by running the model once on a few tokens
 (:func:`verispec.models.capability.probe`), never from its class name.
+
+A cache is closed explicitly: ``close()`` (or ``with``) frees its rows' memory at once, whatever still refers to
+the cache (a failed step's traceback, say). The llama.cpp backend's ``LlamaCache`` keeps the same contract.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 import torch
 from transformers import DynamicCache
@@ -142,6 +145,18 @@ class CachedLM:
         self.cache = DynamicCache(config=self.model.config)
         self.slot_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=self.device)
 
+    def close(self) -> None:
+        """Release the keys and values of every row now; the cache holds no rows afterwards (``reset`` opens it
+        again). No model config is read: an early-exit draft may be lowering it meanwhile."""
+        self.cache = DynamicCache()
+        self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @torch.inference_mode()
     def forward(
         self,
@@ -179,20 +194,27 @@ class CachedLM:
         return True
 
     @torch.inference_mode()
-    def rollback(self, num_kept: list[int], num_new: int) -> None:
-        """Of the last ``num_new`` slots, keep the first ``num_kept[b]`` for row b; the rest become holes and
-        slots no row kept are cropped off the cache."""
-        if num_new == 0:
+    def rollback(self, lengths: Sequence[int]) -> None:
+        """Row b keeps its first ``lengths[b]`` positions (its first valid slots; at most what it holds): its
+        later slots become holes, and the slots no row keeps are cropped off the end of the cache."""
+        lengths = list(lengths)
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"rollback needs one length per row: {len(lengths)} for {self.batch_size} rows")
+        if self.batch_size == 0:
             return
-        kept = torch.tensor(num_kept, device=self.device)  # [B]
-        columns = torch.arange(num_new, device=self.device)  # [num_new]
-        new_kept = self.slot_mask[:, -num_new:] & (columns[None, :] < kept[:, None])  # [B, num_new]
-        self.slot_mask = torch.cat([self.slot_mask[:, :-num_new], new_kept], dim=1)
-        unused = num_new - max(num_kept, default=0)
-        if unused > 0:
-            self.cache.crop(-unused)
-            self.slot_mask = self.slot_mask[:, :-unused]
-        self._maybe_compact()
+        keep_to = torch.tensor(lengths, device=self.device)  # [B]
+        kept = self.slot_mask & (self.slot_mask.cumsum(dim=1) <= keep_to[:, None])  # [B, S]
+        ends = torch.arange(1, self.num_slots + 1, device=self.device) * kept.any(dim=0)  # [S] index + 1 if kept
+        width = torch.cat([ends.new_zeros(1), ends]).max()  # slots up to the last one some row keeps
+        host = torch.cat([width[None], self.slot_mask.sum(dim=1)]).tolist()  # the one host sync
+        width, held = host[0], host[1:]  # the slots still used; each row's positions before the rollback
+        longer = [b for b, (n, h) in enumerate(zip(lengths, held)) if n > h]
+        if longer:
+            raise ValueError(f"rollback to more positions than rows {longer} hold ({held})")
+        if width < self.num_slots:
+            self.cache.crop(width - self.num_slots)  # a negative count: the slots removed from the end
+        self.slot_mask = kept[:, :width]
+        self._maybe_compact(max(lengths))
 
     @torch.inference_mode()
     def append_holes(self, num_slots: int) -> None:
@@ -245,11 +267,13 @@ class CachedLM:
         )
         self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask.to(self.device))], dim=0)
 
-    def _maybe_compact(self) -> None:
+    def _maybe_compact(self, longest: int | None = None) -> None:
+        """Compact when holes make up too much of the cache; ``longest``: the fullest row's valid slots, when the
+        caller knows them (or a bound: a rollback's largest length), which saves a host sync."""
         if self.num_slots == 0 or self.batch_size == 0:
             return
-        valid_per_row = self.slot_mask.sum(dim=1)  # [B]
-        longest = int(valid_per_row.max())
+        if longest is None:
+            longest = int(self.slot_mask.sum(dim=1).max())
         if self.num_slots <= self.compact_ratio * longest + self.compact_slack:
             return
         self.compact()

@@ -324,7 +324,7 @@ class _Probe:
                             [[True] * 4, [False, False, True, True], [True] * 4],
                             [[0, 1, 2, 3], [0, 0, 0, 1], [far, far + 1, far + 2, far + 3]])
         block = self.step([junk, tokens[2:4], junk], None, [[4, 5], [2, 3], [far + 4, far + 5]])
-        self.lm.rollback([0, 2, 0], 2)  # rows 0 and 2: their drafts become holes in the shared cache
+        self.lm.rollback([4, 4, 4])  # rows 0 and 2 reject their block's 2 tokens: holes in the shared cache
         self.lm.append_holes(_hole_size(self.model, self.limit))  # and a wider hole for every row
         final = self.step([tokens[4:]] * 3, None, [[4, 5], [4, 5], [far + 4, far + 5]])
         return prefill, block, final

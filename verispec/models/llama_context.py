@@ -6,7 +6,8 @@ block of k+1 tokens can round differently from one-token decoding (measured: pas
 with weight repacking on, 1-7 with repacking off and flash attention on), and with more than one thread its flash
 attention computes a single query past 255 cached tokens in another order (``PROBE_DEPTHS``). ``probe_regime``
 measures, once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build,
-CPU and thread count; ``llamacpp.LlamaCache`` cuts every scoring pass into calls of at most that many tokens.
+CPU and thread count, in the model's own KV layout at depths across a row's context; ``llamacpp.LlamaCache`` cuts
+every scoring pass into calls of at most that many tokens. Where nothing can be measured, passes are one token.
 ``greedy_reference`` is llama.cpp's plain greedy loop, the reference the backend's greedy output equals.
 
 llama-cpp-python is imported only when a context is made, so this module imports without it.
@@ -36,7 +37,7 @@ PROBE_MAX_ROWS = 16  # the widest pass the regime probe tries
 # tokens only (measured on the 1.5B Q4_K_M, Zen 4, 2 threads: passes of 2-3 tokens bitwise equal up to 255,
 # ~0.4 apart from 256 on; with 1 thread equal at every depth). So the probe looks at a short and a long context.
 PROBE_DEPTHS = (24, 300)
-PROBE_CONTEXT = 1024  # cells of a probe's context: a window past 512 must be possible
+SPLIT_KEYS_FROM = 256  # cached tokens from which a one-token pass may split its keys across threads (above)
 
 
 def llama_cpp_unavailable() -> str | None:
@@ -107,14 +108,14 @@ class LlamaSettings:
 @dataclass(frozen=True)
 class Regime:
     """The probed batch-invariance regime: ``cap`` is the largest pass (tokens, any rows) whose logits equal
-    one-token decoding bitwise at every probed depth; ``diffs[n-1]`` the max |logit difference| of a pass of n
-    tokens at the depth that set the cap (until the first that differs); ``rows_independent``: two sequences in
-    one pass score as each alone, bitwise."""
+    one-token decoding bitwise at every probed depth (``depths``: cached tokens before the block, in the model's
+    own KV layout; none measured: ``cap`` 1); ``diffs[n-1]`` the max |logit difference| of a pass of n tokens at
+    the depth that set the cap (until the first that differs)."""
 
     cap: int
     diffs: tuple[float, ...]
-    rows_independent: bool
-    reason: str = ""  # why the cap is what it is, for the load message
+    depths: tuple[int, ...]
+    reason: str  # why the cap is what it is, naming the layout measured, for the load message
 
 
 class _Context:
@@ -198,70 +199,89 @@ class _Context:
         return logits[-1]
 
 
-def _largest_invariant_pass(model: LlamaModel, depth: int, max_rows: int, rng: np.random.Generator,
-                            ) -> tuple[int, list[float]]:
-    """After a ``depth``-token prompt: a block of n tokens in one call vs the same tokens one at a time, for
-    n = 1, 2, ... up to the first that differs (or ``max_rows``); (the largest equal n, the max differences)."""
-    tokens = rng.integers(0, model.n_vocab, size=depth + max_rows).tolist()
-    prompt, block = tokens[:depth], tokens[depth:]
-    context = _Context(model, max(depth + max_rows + 16, PROBE_CONTEXT), 1)  # the KV window can reach 512
+def _largest_invariant_pass(context: _Context, seq: int, depth: int, block: Sequence[int]) -> tuple[int, list[float]]:
+    """With ``depth`` tokens of ``seq`` cached: the first n tokens of ``block`` in one call vs the same tokens one
+    at a time, for n = 1, 2, ... up to the first that differs (or all of them); (the largest equal n, the max
+    differences). The memory holds the ``depth`` tokens again afterwards."""
     try:
-        context.prompt_logits(prompt, 0)
-        single = np.stack([context.decode([t], [depth + i], [0], [True])[0] for i, t in enumerate(block)])
+        single = np.stack([context.decode([t], [depth + i], [seq], [True])[0] for i, t in enumerate(block)])
         diffs = []
-        for n in range(1, max_rows + 1):
-            context.remove(0, depth, -1)
-            out = context.decode(block[:n], range(depth, depth + n), [0] * n, [True] * n)
+        for n in range(1, len(block) + 1):
+            context.remove(seq, depth, -1)
+            out = context.decode(block[:n], range(depth, depth + n), [seq] * n, [True] * n)
             diffs.append(float(np.abs(out - single[:n]).max()))
             if diffs[-1] != 0.0:
                 return n - 1, diffs
-        return max_rows, diffs
+        return len(block), diffs
     finally:
-        context.close()
+        context.remove(seq, depth, -1)
+
+
+def probe_depths(positions: int, block: int) -> list[int]:
+    """Cached tokens before each probe block, spread across a row's ``positions``: ``PROBE_DEPTHS`` (a short
+    context, and one past the split-key threshold), the quarters of the context and its deepest block; only
+    those where a block of ``block`` tokens still fits (none in a context of ``block`` positions or fewer)."""
+    deepest = positions - block
+    spread = {*PROBE_DEPTHS, positions // 4, positions // 2, 3 * positions // 4, deepest}
+    return sorted(depth for depth in spread if 1 <= depth <= deepest)
+
+
+def _layout(model: LlamaModel) -> str:
+    """The KV layout a probe measures, in words (for its reason)."""
+    s = model.settings
+    memory = (f"a KV stream of its own ({model.context.cells} cells)" if s.streams else
+              f"one KV memory of {model.context.cells} cells shared by up to {s.n_seq_max} rows")
+    threads = f"{s.threads()} thread{'s' if s.threads() != 1 else ''}"
+    return f"a row of {model.max_positions} positions in {memory}, {threads}"
 
 
 def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
-    """Measure the largest pass whose logits equal one-token decoding bitwise (on contexts of their own), at
-    each of ``PROBE_DEPTHS`` cached tokens (``_largest_invariant_pass``; a row's context grows past all of them);
-    the smallest is the cap. With more than one thread and flash attention the cap is 1 whatever a probe finds
-    past 255 tokens (``PROBE_DEPTHS`` says why), so only the short context is measured, for the load message.
-    Then whether two sequences in one pass score as each alone."""
-    max_rows = min(max_rows, model.settings.n_batch)
-    split_keys = model.settings.flash_attn and model.settings.threads() > 1
-    rng = np.random.default_rng(0)
-    found = []  # (largest invariant pass, its differences) per depth measured
-    for depth in PROBE_DEPTHS[:1] if split_keys else PROBE_DEPTHS:
-        if model.n_ctx_train and max(depth + max_rows + 16, PROBE_CONTEXT) > model.n_ctx_train:
-            continue
+    """Measure the largest pass whose logits equal one-token decoding bitwise, in the model's own context (one
+    free sequence of its KV layout, given back after), at ``probe_depths`` across a row's context: one prompt
+    grows from depth to depth, a block of up to ``max_rows`` tokens is tried at each (``_largest_invariant_pass``),
+    and the smallest cap found is the cap. Fails closed: nothing measured (a context too short for a block) means
+    one-token passes. With more than one thread and flash attention the cap is 1 whatever a probe finds past 255
+    cached tokens (``PROBE_DEPTHS`` says why), so only depths below that are measured, for the load message."""
+    settings = model.settings
+    block = min(max_rows, settings.n_batch)
+    split_keys = settings.flash_attn and settings.threads() > 1
+    depths = probe_depths(model.max_positions, block)
+    if split_keys:
+        depths = [depth for depth in depths if depth + block <= SPLIT_KEYS_FROM]
+    layout = _layout(model)
+    found: list[tuple[int, list[float]]] = []  # (largest invariant pass, its differences) per depth measured
+    measured: list[int] = []
+    if depths:
+        tokens = np.random.default_rng(0).integers(0, model.n_vocab, size=depths[-1] + block).tolist()
         with model.lock:
-            found.append(_largest_invariant_pass(model, depth, max_rows, rng))
-    cap, diffs = min(found, key=lambda result: result[0], default=(max_rows, []))
-    tokens = rng.integers(0, model.n_vocab, size=26).tolist()
-    prompt = tokens[:24]
-    with model.lock:
-        context = _Context(model, 2 * 26 + 16, 2)
-        try:  # two rows (sequences 0 and 1, the same prompt) in one pass of 2 tokens vs each row alone
-            context.prompt_logits(prompt, 0)
-            first = context.decode([tokens[24]], [24], [0], [True])[0]
-            context.remove(0, 24, -1)
-            context.prompt_logits(prompt, 1)
-            pair = context.decode([tokens[24], tokens[25]], [24, 24], [0, 1], [True, True])
-            context.remove(0, 24, -1)
-            context.remove(1, 24, -1)
-            alone = context.decode([tokens[25]], [24], [1], [True])[0]
-            independent = bool(np.array_equal(pair[0], first) and np.array_equal(pair[1], alone))
-        finally:
-            context.close()
-    reason = f"passes of up to {max(cap, 1)} tokens equal one-token decoding bitwise (probed)"
+            seq, = model._acquire(1)
+            try:
+                cached = 0
+                for depth in depths:
+                    model.context.prompt_logits(tokens[cached:depth], seq, cached)  # the prompt grows to depth
+                    cached = depth
+                    found.append(_largest_invariant_pass(model.context, seq, depth, tokens[depth:depth + block]))
+                    measured.append(depth)
+                    if found[-1][0] <= 1:  # no deeper depth can lower it
+                        break
+            finally:
+                model._release([seq])
+    if not found:
+        reason = (f"nothing measured ({layout}: no room for a probe block of {block} tokens after a cached one), "
+                  "so passes of one token only")
+        return Regime(1, (), (), reason)
+    cap, diffs = min(found, key=lambda result: result[0])
+    reason = (f"passes of up to {max(cap, 1)} tokens equal one-token decoding bitwise (probed at "
+              f"{', '.join(map(str, measured))} cached tokens of {layout})")
     if split_keys and cap > 1:
         # Past 255 cached tokens a one-token pass takes the split-key path on these threads (see PROBE_DEPTHS):
         # a multi-token pass then equals it only by chance, so no pass is wider than one token, and drafts buy
         # nothing here; one thread keeps the probed cap at every depth.
-        reason = (f"{model.settings.threads()} threads: one-token passes past 255 cached tokens split the keys "
-                  f"across threads, so only one-token passes equal them (below 256 cached tokens: passes of up "
-                  f"to {cap})")
+        reason = (f"{settings.threads()} threads: one-token passes past 255 cached tokens split the keys across "
+                  f"threads, so only one-token passes equal them (below 256 cached tokens: passes of up to {cap}, "
+                  f"probed at {', '.join(map(str, measured))} cached tokens of {layout})")
         cap = 1
-    return Regime(max(cap, 1), tuple(diffs), independent, reason)
+    return Regime(max(cap, 1), tuple(diffs), tuple(measured), reason)
 
 
 def greedy_reference(model: LlamaModel, prompt: Sequence[int], max_new_tokens: int,

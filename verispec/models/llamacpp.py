@@ -6,12 +6,15 @@ every batch, one sequence id per row (by default a KV stream of its own per sequ
 
 - ``forward`` scores ``[B, n]`` tokens and returns float32 logits ``[B, n, V]`` (or only the last
   ``num_logits`` columns, the only ones llama.cpp is then asked for);
-- ``rollback`` removes each row's rejected positions with ``llama_memory_seq_rm`` (per row, by its own count);
+- ``rollback(lengths)`` keeps row b's first ``lengths[b]`` positions: ``llama_memory_seq_rm`` from there on;
 - ``select_rows`` frees the dropped rows' sequences, ``append_rows`` takes over another cache's sequences
-  (no copy: they already live in the model's context);
+  (no copy: they already live in the model's context), ``close`` frees every row's sequence;
 - ``room`` says how many more tokens a shared memory (``streams=False``) takes, so that a batch can end the rows
   that do not fit before a pass fails; a pass that fails anyway (``CacheFullError``) leaves the cache as it was
   before it.
+
+Both are closed explicitly (``close()``, or ``with``), never by the garbage collector: a cache that a failed step's
+traceback still refers to has given its sequences back once its owner closed it.
 
 Exactness (``llama_context``: the binding's settings, contexts and the regime probe). ``probe_regime`` measures,
 once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build, CPU and
@@ -32,30 +35,29 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Self
 
 import numpy as np
 import torch
 
 from ..acquire import Progress, say
 from .cache import Room
-from .llama_context import (LLAMA_CPP_MISSING, PROBE_CONTEXT, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
+from .llama_context import (LLAMA_CPP_MISSING, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
                             _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
                             probe_regime)
 
-__all__ = ["LLAMA_CPP_MISSING", "PROBE_CONTEXT", "PROBE_DEPTHS", "PROBE_MAX_ROWS", "LlamaCache", "LlamaModel",
+__all__ = ["LLAMA_CPP_MISSING", "PROBE_DEPTHS", "PROBE_MAX_ROWS", "LlamaCache", "LlamaModel",
            "LlamaSettings", "Regime", "_Context", "_largest_invariant_pass", "draft_settings", "greedy_reference",
            "llama_cpp_unavailable", "load_llama", "load_llama_draft", "probe_regime"]
-
-HISTORY = 1024  # input columns a cache remembers for rollback (a rollback reaches at most this far back)
 
 
 class LlamaModel:
     """A GGUF model loaded by llama.cpp (CPU). Stands in for the target ``PreTrainedModel`` in the decoder:
     ``new_cache()`` opens a batch's cache; ``vocab_size``, ``max_positions``, ``device`` and
-    ``generation_config.eos_token_id`` describe it."""
+    ``generation_config.eos_token_id`` describe it. Its owner closes it (``close()``, or ``with``)."""
 
     device = torch.device("cpu")
     host_threads = 1  # torch threads for the loop's work on its logits (``models.cache.host_threads`` says why)
@@ -190,15 +192,11 @@ class _Row:
     seq: int
     length: int = 0  # positions in the memory
     opening: tuple[int, np.ndarray] | None = None  # (last prompt token, its logits [V]): in memory, not yet scored
-    columns: list[bool] = field(default_factory=list)  # the latest input columns: whether each appended a token
 
 
 class LlamaCache:
-    """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module).
-
-    Each row remembers which of the latest input columns appended a token to it (``_Row.columns``, the last
-    ``HISTORY`` at least), so that ``rollback(num_kept, num_new)`` means what it means for ``CachedLM``: of the
-    last ``num_new`` columns, over however many forward passes, row b keeps the first ``num_kept[b]``."""
+    """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module). Each
+    row is one sequence id and its length; its owner closes it (``close()``, or ``with``) to give the ids back."""
 
     def __init__(self, model: LlamaModel) -> None:
         self.model = model
@@ -209,24 +207,22 @@ class LlamaCache:
     def batch_size(self) -> int:
         return len(self.rows)
 
-    @property
-    def num_slots(self) -> int:
-        return max((row.length + (row.opening is not None) for row in self.rows), default=0)
-
     def reset(self, batch_size: int) -> None:
-        self._free()
+        self.close()
         self.rows = [_Row(seq) for seq in self.model._acquire(batch_size)]
 
-    def _free(self) -> None:
-        if self.rows:
-            self.model._release([row.seq for row in self.rows])
-        self.rows = []
+    def close(self) -> None:
+        """Give every row's sequence back to the model now (its memory freed); the cache holds no rows afterwards
+        (``reset`` opens it again). Closing twice is harmless."""
+        rows, self.rows = self.rows, []
+        if rows:
+            self.model._release([row.seq for row in rows])
 
-    def __del__(self) -> None:  # noqa: D105
-        try:
-            self._free()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def room(self) -> Room | None:
         """How many more tokens the memory takes now, beside what every cache of this model holds (a row's
@@ -291,8 +287,7 @@ class LlamaCache:
                         row.length += 1
                     for j in columns:
                         if row.length >= limit:  # a row scores at most its budget: the rest is the block's filler
-                            mask[b][j] = False
-                            continue
+                            break
                         work.append((b, j, ids[b][j], row.length))
                         row.length += 1
                 step = min(self.model.pass_cap or context.capacity, context.capacity)
@@ -306,10 +301,6 @@ class LlamaCache:
             except BaseException:
                 self._restore(before)
                 raise
-            for b, row in enumerate(self.rows):
-                row.columns += mask[b]
-                if len(row.columns) > 2 * HISTORY:
-                    del row.columns[:-HISTORY]
         return torch.from_numpy(logits)
 
     def _restore(self, before: list[tuple[int, tuple[int, np.ndarray] | None]]) -> None:
@@ -319,29 +310,21 @@ class LlamaCache:
             self.model.context.remove(row.seq, length + (opening is not None), -1)
             row.length, row.opening = length, opening
 
-    def rollback(self, num_kept: list[int], num_new: int) -> None:
-        """Of the last ``num_new`` input columns, keep the first ``num_kept[b]`` for row b: its tokens of the
-        others leave the memory. The columns no row kept are forgotten (as ``CachedLM`` crops them)."""
-        if num_new == 0:
-            return
-        remembered = min((len(row.columns) for row in self.rows), default=num_new)
-        if num_new > remembered:
-            raise ValueError(f"rollback of {num_new} columns, but the cache remembers {remembered}")
+    def rollback(self, lengths: Sequence[int]) -> None:
+        """Row b keeps its first ``lengths[b]`` positions (at most what it holds): the rest leave the memory
+        (``llama_memory_seq_rm``), a prompt's pending last token too."""
+        lengths = list(lengths)
+        if len(lengths) != len(self.rows):
+            raise ValueError(f"rollback needs one length per row: {len(lengths)} for {len(self.rows)} rows")
+        longer = [b for b, (row, n) in enumerate(zip(self.rows, lengths)) if n > row.length]
+        if longer:
+            raise ValueError(f"rollback to more positions than rows {longer} hold "
+                             f"({[row.length for row in self.rows]})")
         with self.model.lock:
-            for row, kept in zip(self.rows, num_kept):
-                tail = row.columns[len(row.columns) - num_new:]
-                drop = sum(tail[kept:])  # this row's tokens among the rejected columns: its last ones
-                if drop > 0:
-                    row.length -= drop
-                    self.model.context.remove(row.seq, row.length, -1)
-                row.columns[len(row.columns) - num_new + kept:] = [False] * len(tail[kept:])
-            unused = num_new - max(num_kept, default=0)
-            if unused > 0:
-                for row in self.rows:
-                    del row.columns[len(row.columns) - unused:]
-
-    def append_holes(self, num_slots: int) -> None:
-        """Nothing to do: positions, not slots, place a row's tokens here."""
+            for row, n in zip(self.rows, lengths):
+                if n < row.length:
+                    self.model.context.remove(row.seq, n, -1)
+                    row.length, row.opening = n, None
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only ``rows`` (indices into the batch); the others' sequences are freed."""
@@ -353,16 +336,11 @@ class LlamaCache:
             self.model._release(dropped)
 
     def append_rows(self, other: LlamaCache) -> None:
-        """Take over ``other``'s rows (same model), which leaves it empty. The shorter column histories are
-        padded at the front with columns that appended nothing (as ``CachedLM`` left-pads with holes)."""
+        """Take over ``other``'s rows (same model), which leaves it empty (closing it then frees nothing)."""
         if other.model is not self.model:
             raise ValueError("append_rows needs caches of one LlamaModel")
         self.rows += other.rows
         other.rows = []
-        width = max((len(row.columns) for row in self.rows), default=0)
-        for row in self.rows:
-            if len(row.columns) < width:
-                row.columns[:0] = [False] * (width - len(row.columns))
 
 
 def load_llama(path: str | os.PathLike, settings: LlamaSettings | None = None,

@@ -290,11 +290,10 @@ class Engine:
         log.error("an engine step failed (%s); stepping its rows alone to find the cause", type(error).__name__,
                   exc_info=error)
         rows = self._interrupted(joining, finished)
-        try:
+        try:  # its rows' memory is free before any row steps alone (a llama.cpp context holds so many rows)
             self._close_batch()
         except Exception:  # noqa: BLE001 - the rows below must still each be reported
             log.exception("closing the failed batch failed")
-            self._batch = None
         survivors = []
         for row in rows:
             if row.reason is not None:  # ended before the failure (e.g. nothing to generate)
@@ -351,9 +350,10 @@ class Engine:
         return batch
 
     def _close_batch(self) -> None:
-        if self._batch is not None:
-            self._batch.close()
-            self._batch = None
+        """Close the running batch, which frees its rows' memory now, and forget it (even if closing fails)."""
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            batch.close()
 
     def _finish_everything(self) -> None:
         """At shutdown, once the loop has ended: every request not reported yet (running, waiting, cancelled
