@@ -45,6 +45,7 @@ import torch
 
 from ..acquire import Progress, say
 from .cache import Room
+from .pass_cost import PassCostCurve, measure_curve
 from .llama_context import (LLAMA_CPP_MISSING, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
                             _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
                             probe_regime)
@@ -92,6 +93,9 @@ class LlamaModel:
             self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.streams)
             self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
             self.regime = probe_regime(self) if probe else None
+            self._pass_cost: PassCostCurve | None = None
+            if probe:  # a target: its pass cost measured now, while every sequence is free (the planner's input)
+                self.pass_cost(1, 1)
         except BaseException:
             self.close()
             raise
@@ -152,10 +156,8 @@ class LlamaModel:
     def pass_cost(self, width: int, rows: int = 1) -> float:
         """Seconds of a scoring pass of ``width`` tokens in each of ``rows`` rows (``models/pass_cost.py``):
         measured once, on a free sequence, with passes cut as scoring cuts them (``pass_cap``)."""
-        from .pass_cost import measure_curve
-
         with self.lock:
-            if getattr(self, "_pass_cost", None) is None:
+            if self._pass_cost is None:
                 seq, = self._acquire(1)
                 try:
                     def run(n: int) -> None:
