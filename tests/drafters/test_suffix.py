@@ -277,6 +277,27 @@ def test_a_block_that_would_pass_the_budget_enters_the_cache_cut_at_it() -> None
     assert drafter.trees.size() == {"scopes": 1, "responses": 4, "tokens": 4 * MAX_NEW, "running": 0}
 
 
+def test_a_row_that_fails_leaves_nothing_in_the_cache() -> None:
+    """A row whose target logits turn NaN ends with nothing emitted at that step: none of the step's tokens (the
+    verifier's output on zeroed logits) enter its scope's cache; the healthy row's answer does, exactly."""
+    from verispec import NonFiniteLogitsError
+
+    target = build("llama", seed=7)
+    poison = 3
+    with torch.no_grad():
+        target.get_input_embeddings().weight[poison] = float("nan")
+    good, bad = repetitive_prompt(5, 40), [poison] + repetitive_prompt(6, 41)
+    assert poison not in good
+    drafter = SuffixDrafter()
+    decoder = SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=4)
+    with pytest.raises(NonFiniteLogitsError) as caught:
+        decoder.generate([good, bad], max_new_tokens=MAX_NEW)
+    out = caught.value.output
+    assert out.finish_reasons == ["length", "error"] and out.tokens[1] == []
+    assert out.tokens[0] == reference_greedy(target, good, MAX_NEW)
+    assert drafter.trees.size() == {"scopes": 1, "responses": 2, "tokens": MAX_NEW, "running": 0}
+
+
 def test_suffix_then_model_composite_is_exact_and_uses_both() -> None:
     target, partial, _ = pair("llama")
     prompts = [repetitive_prompt(n, seed) for n, seed in ((3, 63), (8, 42))] + [prompt(6, 5)]

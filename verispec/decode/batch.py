@@ -375,31 +375,33 @@ class DecodeBatch:
                                record.row_accepted)
         now = time.perf_counter()
         callbacks = 0.0
+        emitted: list[list[int]] = []  # per row: what it emitted (cut at its budget and EOS; nothing if it failed)
         for b, (row, bad, tokens, entries) in enumerate(zip(self.rows, target_bad, new_tokens, logprobs)):
             row.policy.observe(record.row(b))  # a schedule learns from its own row's block only
             row.count_step(record.row_draft_lengths[b], record.row_accepted[b])
             if bad:
                 row.error_step = self.stats.steps
                 row.fail(f"the target produced NaN or infinite logits at decode step {row.error_step}")
+                emitted.append([])
                 continue
             t0 = time.perf_counter()
-            self._emit(row, tokens, now, entries)
+            emitted.append(self._emit(row, tokens, now, entries))
             if row.on_tokens is not None:
                 callbacks += time.perf_counter() - t0
 
         # Roll back: each row's cache keeps its committed tokens (its prompt and output) but the last, which opens
         # its next block; a row that ended keeps fewer (its output stops at EOS) and leaves the batch below.
         self.target.rollback([len(row.prompt) + len(row.output) - 1 for row in self.rows])
-        if self.drafter is not None:
-            self.drafter.update(record.row_accepted, new_tokens)
+        if self.drafter is not None:  # only what rows emitted: nothing past EOS or a budget, nothing of a failed row
+            self.drafter.update(record.row_accepted, emitted)
         self.last_ids = torch.tensor([t[-1] for t in new_tokens], device=self.device)
         self.lengths = self.lengths + torch.tensor([n + 1 for n in record.row_accepted], device=self.device)
         return self._drop_finished(), callbacks
 
     @staticmethod
-    def _emit(row: Row, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> None:
-        """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them. A callback that
-        raises ends its own row (reason "error"), never the batch."""
+    def _emit(row: Row, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them; returns them. A
+        callback that raises ends its own row (reason "error"), never the batch."""
         emitted = tokens[: row.max_new_tokens - len(row.output)]
         for j, token in enumerate(emitted):
             if token in row.eos_ids:
@@ -421,6 +423,7 @@ class DecodeBatch:
             except Exception as error:  # noqa: BLE001 - the caller's code: report it on its own row
                 row.callback_error = error
                 row.fail(f"the token callback raised {type(error).__name__}: {error}")
+        return emitted
 
     def _drop_finished(self) -> list[Row]:
         keep = [b for b, row in enumerate(self.rows) if row.reason is None]

@@ -73,8 +73,9 @@ class Drafter(ABC):
 
     @abstractmethod
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        """Learn the outcome of the last step: per row, how many drafts were kept and the tokens committed
-        (accepted drafts plus the recovered/bonus token). Called after every step, also when k was 0."""
+        """Learn the outcome of the last step: per row, how many drafts were kept and the tokens it emitted (the
+        accepted drafts plus the recovered/bonus token, cut at the row's budget and first EOS: a row cut short, or
+        one that failed and emitted nothing, leaves the batch next). Called after every step, also when k was 0."""
 
     @abstractmethod
     def select_rows(self, rows: list[int]) -> None:
