@@ -64,9 +64,37 @@ def test_first_call_after_calibration_speculates(simulated):
 
 
 def test_first_call_without_calibration_starts_from_the_target_alone(simulated):
-    """What calibration fixes: a cold controller runs its first steps without drafts."""
+    """What calibration fixes: a cold controller runs its first step without drafts (a new batch-size bucket's
+    first step is measured alone) and only then looks at drafting (priced off the target's pass-cost curve), so its
+    first call commits fewer tokens per pass than a calibrated decoder's."""
     target, draft = simulated
-    assert tokens_per_target_pass(SpeculativeDecoder(target, draft)) < 2.0
+    cold = SpeculativeDecoder(target, draft)
+    out = cold.generate([tiny_models.prompt(12, seed=3)], max_new_tokens=16)
+    assert out.stats.controller_steps.get("alone", 0) >= 1
+    calibrated = SpeculativeDecoder(target, draft)
+    calibrate(calibrated, tiny_models.prompt(16, seed=9))
+    assert tokens_per_target_pass(SpeculativeDecoder(target, draft)) < tokens_per_target_pass(calibrated)
+
+
+def test_a_two_source_drafter_is_calibrated_with_its_model_alone(simulated, monkeypatch):
+    """suffix+MODEL: every timed step is a model step, so the model plan's tables learn model steps only (before,
+    the composite's timing-free rule drafted from the lookup where it matched and those steps landed there); the
+    lookup is never consulted and the lookup plan's tables stay empty."""
+    from verispec.drafters import CompositeDrafter, ModelDrafter, SuffixDrafter
+
+    target, draft = simulated
+    suffix = SuffixDrafter()
+    decoder = SpeculativeDecoder(target, drafter=CompositeDrafter(suffix, ModelDrafter(draft)))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("calibration consulted the lookup")
+
+    monkeypatch.setattr(suffix, "lookups", refuse)
+    monkeypatch.setattr(suffix, "propose", refuse)
+    report = calibrate(decoder, tiny_models.prompt(8, seed=9) * 3)  # repeated text: a lookup would match
+    assert sorted(report.step_seconds) == list(CALIBRATION_LENGTHS)
+    assert report.tokens_per_step[8] > report.tokens_per_step[0] == 1.0  # the identical model drafted them all
+    assert decoder.controller.lookup.snapshot()["steps_by_reason"] == {}
 
 
 def test_calibration_leaves_fixed_lengths_and_lone_targets_alone(simulated):
