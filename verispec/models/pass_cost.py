@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 MEASURED_TOKENS = (1, 2, 4, 8, 16)  # token counts timed (a block of up to 15 drafts for one row)
-REPEATS = 5  # timed passes per count, after one untimed pass; the median counts
+REPEATS = 3  # timed passes per count, after one untimed pass; the median counts (20 passes in all at load)
 
 
 @dataclass(frozen=True)
