@@ -16,7 +16,7 @@ from tiny_llama import VOCAB, tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tin
 from verispec.decode import SpeculativeDecoder  # noqa: E402
 from verispec.drafters import NGramDrafter  # noqa: E402
 from verispec.models.backend import TargetBackend, TorchBackend, backend_of  # noqa: E402
-from verispec.models.llamacpp import LlamaModel, LlamaSettings  # noqa: E402
+from verispec.models.llamacpp import LlamaModel, LlamaSettings, load_llama_draft  # noqa: E402
 
 ROWS = 4
 
@@ -130,3 +130,15 @@ def test_greedy_output_is_the_plain_loop(backend) -> None:
     assert fast.tokens == plain.tokens
     priced_out = isinstance(backend, LlamaModel) and backend.pass_cap == 1
     assert (fast.stats.draft_tokens == 0) == priced_out
+
+
+def test_a_decoder_closes_its_target_and_its_draft_model(tiny_gguf) -> None:
+    """``SpeculativeDecoder`` as a context manager: on exit the llama.cpp target's and draft's weights and
+    contexts are freed at once (nothing waits for the garbage collector)."""
+    settings = LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=2)
+    target, draft = LlamaModel(tiny_gguf[0], settings), load_llama_draft(tiny_gguf[0], settings)
+    with SpeculativeDecoder(target, draft, num_draft_tokens=2) as decoder:
+        out = decoder.generate([[40, 41, 42, 40, 41]], max_new_tokens=6)
+        assert len(out.tokens[0]) == 6
+    assert target.model is None and target.context is None
+    assert draft.model is None and draft.context is None

@@ -191,6 +191,20 @@ class SpeculativeDecoder:
         with self.model_lock:
             return self.target.pass_cost(width, rows)
 
+    def close(self) -> None:
+        """Free the models' memory now: the target's and a draft model's (llama.cpp's weights and contexts; a torch
+        model's go with its last reference). The decoder must not decode afterwards."""
+        with self.model_lock:
+            self.target.close()
+            if self.drafter is not None:
+                self.drafter.close()
+
+    def __enter__(self) -> SpeculativeDecoder:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     @property
     def vocab_size(self) -> int:
         return self.limits.vocab_size

@@ -86,6 +86,10 @@ class Drafter(ABC):
         what a second batch running at the same time uses."""
         raise NotImplementedError(f"{type(self).__name__} does not implement fork()")
 
+    def close(self) -> None:
+        """Free the memory of the models this drafter owns now (a llama.cpp draft's weights and contexts). Its
+        forks share them: close once, when no batch drafts any more. Nothing to do for a drafter without a model."""
+
 
 class SourceDrafter(Drafter):
     """A drafter with two sources per row: a free lookup (no model pass: suffix decoding, prompt lookup) and a

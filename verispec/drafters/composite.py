@@ -55,6 +55,10 @@ class CompositeDrafter(SourceDrafter):
     def fork(self) -> CompositeDrafter:
         return CompositeDrafter(self.primary.fork(), self.fallback.fork())
 
+    def close(self) -> None:
+        self.primary.close()
+        self.fallback.close()
+
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         self.primary.start(prompts, sampling, vocab_size)
         self.fallback.start(prompts, sampling, vocab_size)

@@ -9,6 +9,7 @@ import torch
 
 from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
+from ..models.backend import backend_of
 from ..models.cache import left_pad, new_cache, padded_positions
 from .base import Drafter, Proposal, per_row
 
@@ -66,6 +67,10 @@ class ModelDrafter(Drafter):
 
     def fork(self) -> ModelDrafter:
         return ModelDrafter(self.model)
+
+    def close(self) -> None:
+        self.lm.close()
+        backend_of(self.model).close()
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams | Sequence[SamplingParams],
               vocab_size: int) -> None:
