@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from serving_support import parse_metrics
 
-from verispec.serving.engine import RowStats
 from verispec.serving.metrics import Metrics
+from verispec.telemetry import RowRecord
 
 
 def _metrics(engine_state: dict | None = None, in_flight: int = 0) -> Metrics:
@@ -16,12 +16,12 @@ def _metrics(engine_state: dict | None = None, in_flight: int = 0) -> Metrics:
 
 def test_speculative_counters_come_from_each_requests_finish_stats() -> None:
     metrics = _metrics(in_flight=2)
-    metrics.count_engine_finish("length", RowStats(completion_tokens=10, draft_tokens=12, accepted_tokens=7,
-                                                   num_drafts=4, accepted_per_position=(4, 2, 1)))
-    metrics.count_engine_finish("stop", RowStats(completion_tokens=3, draft_tokens=4, accepted_tokens=3,
-                                                 num_drafts=1, accepted_per_position=(1, 1, 1)))
+    metrics.count_engine_finish("length", RowRecord(completion_tokens=10, draft_tokens=12, accepted_tokens=7,
+                                                    num_drafts=4, accepted_per_position=[4, 2, 1]))
+    metrics.count_engine_finish("stop", RowRecord(completion_tokens=3, draft_tokens=4, accepted_tokens=3,
+                                                  num_drafts=1, accepted_per_position=[1, 1, 1]))
     # A request cancelled before its first block: no block counts.
-    metrics.count_engine_finish("cancelled", RowStats(completion_tokens=2, draft_tokens=3, accepted_tokens=0))
+    metrics.count_engine_finish("cancelled", RowRecord(completion_tokens=2, draft_tokens=3, accepted_tokens=0))
     samples = parse_metrics(metrics.render().decode())
     assert samples['verispec_requests_total{status="length"}'] == samples['verispec_requests_total{status="stop"}'] \
         == samples['verispec_requests_total{status="cancelled"}'] == 1

@@ -32,7 +32,7 @@ from ..drafters import Drafter, Proposal, SourceDrafter
 from ..models.cache import Room, host_threads, new_cache
 from ..policy import RowPlan, SpeculationController, StepRecord
 from ..policy.sources import LOOKUP, SourceController, SourceDecision, SourceRow
-from ..telemetry import GenerationStats, count_source
+from ..telemetry import GenerationStats
 from .clock import PhaseClock, sync
 from .row import Row, fit_prompts, pinned_length
 
@@ -100,6 +100,8 @@ class DecodeBatch:
         """Prefill new rows in the target (every prompt token but the last, which opens their first block) and
         join them (a model drafter prefills them at the batch's next drafting step, if any). Rows with nothing
         to generate finish at once (reason "length") without joining."""
+        if self.stats.rows is not None:  # every row given, in order (``generate`` reads them by prompt index)
+            self.stats.rows += [row.record for row in rows]
         for row in rows:
             if row.max_new_tokens <= 0:
                 row.reason = "length"
@@ -253,8 +255,7 @@ class DecodeBatch:
         name = self.drafter.lookup.name
         for row, limit, n in zip(self.rows, limits, found):  # the lookup was consulted for every row
             if limit:
-                count_source(row.sources, name, consulted=1, hits=n > 0)
-                count_source(self.stats.sources, name, consulted=1, hits=n > 0)
+                row.record.count_source(name, consulted=1, hits=n > 0)
         if not self.stop_drafting or not plan.model_runs:
             return plan.lengths, None, plan
         threshold = controller.stop_threshold(len(self.rows), plan.decision.cap, plan.decision.tokens or 1.0)
@@ -323,16 +324,15 @@ class DecodeBatch:
 
     def _count_sources(self, proposal: Proposal, caps: list[int], record: StepRecord, plan: SourceDecision | None,
                        rows: list[Row]) -> None:
-        """Per drafter, each row's share of this step (``GenerationStats.sources``, ``Row.sources``): a lookup
-        consulted by ``_source_lengths`` is counted there, a plain drafter here for every row it was asked."""
+        """Per drafter, each row's share of this step (its record's ``sources``): a lookup consulted by
+        ``_source_lengths`` is counted there, a plain drafter here for every row it was asked."""
         names = proposal.sources or [self.drafter.name] * len(rows)
         for row, name, cap, length, kept in zip(rows, names, caps, record.row_draft_lengths, record.row_accepted):
             if name is None or (plan is None and not cap):
                 continue
             asked = 0 if plan is not None and name == self.drafter.lookup.name else 1
-            values = dict(consulted=asked, hits=asked and length > 0, draft_length=length, accepted=kept)
-            count_source(row.sources, name, **values)
-            count_source(self.stats.sources, name, **values)
+            row.record.count_source(name, consulted=asked, hits=asked and length > 0, draft_length=length,
+                                    accepted=kept)
 
     def _catch_up(self, plan: SourceDecision | None, add_seconds: Callable[[float], None]) -> int:
         """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,
@@ -371,8 +371,7 @@ class DecodeBatch:
                 logprobs: list[list[TokenLogprob] | None]) -> tuple[list[Row], float]:
         """Commit the step's tokens and roll back; returns the rows that finished and the seconds spent in the
         rows' callbacks (the caller's code, not the step's)."""
-        self.stats.record_step(record.draft_length, [row.key for row in self.rows], record.row_draft_lengths,
-                               record.row_accepted)
+        self.stats.record_step(record.draft_length, record.row_draft_lengths, record.row_accepted)
         now = time.perf_counter()
         callbacks = 0.0
         emitted: list[list[int]] = []  # per row: what it emitted (cut at its budget and EOS; nothing if it failed)
@@ -413,8 +412,9 @@ class DecodeBatch:
             row.sampling.grammar.advance(emitted)
         if logprobs is not None:
             row.output_logprobs.extend(logprobs[: len(emitted)])
-        if row.first_token_time is None and emitted:
-            row.first_token_time = now
+        row.record.completion_tokens += len(emitted)
+        if row.record.time_to_first_token_s is None and emitted:
+            row.record.time_to_first_token_s = now - row.record.started
         if row.reason is None and len(row.output) >= row.max_new_tokens:
             row.reason = "length"
         if row.on_tokens is not None and emitted:

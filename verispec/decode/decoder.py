@@ -372,7 +372,6 @@ class SpeculativeDecoder:
                              num_draft_tokens=0 if drafter is None else num_draft_tokens, on_tokens=callbacks,
                              verification=verification)
         stats = GenerationStats(num_draft_tokens=rows[0].policy.name)
-        stats.start_rows(len(request.prompts))
         start = time.perf_counter()
         with self.new_batch(drafter, self.controller_for(draft), limits=limits, stats=stats,
                             stop_drafting=stop_drafting) as batch:
@@ -383,7 +382,6 @@ class SpeculativeDecoder:
                         raise row.callback_error
         sync(self.device)
         stats.total_time_s = time.perf_counter() - start
-        stats.generated_tokens = sum(len(row.output) for row in rows)
         output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],
                                 stats=stats, seed=request.seed,
                                 logprobs=None if logprobs is None else [row.output_logprobs for row in rows])

@@ -17,7 +17,7 @@ from ..core.processors import TokenHistory
 from ..core.sampling import SamplingParams
 from ..models.cache import Room
 from ..policy import AcceptanceEstimate, GammaPolicy
-from ..telemetry import SourceCounts
+from ..telemetry import RowRecord
 
 
 @dataclass
@@ -44,24 +44,15 @@ class Row:
     error_step: int | None = None  # the decode step of non-finite target logits
     memory_full: bool = False  # ended because the target's memory could not hold it beside the rows before it
     callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    target_passes: int = 0
-    num_drafts: int = 0  # target passes in which this row had at least one draft token
-    accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
-    first_token_time: float | None = None
-    sources: dict[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share (telemetry)
+    record: RowRecord = field(default_factory=RowRecord)  # what happened to it: its counts (telemetry)
     last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
+
+    def __post_init__(self) -> None:
+        self.record.prompt_tokens = len(self.prompt)
 
     def count_step(self, draft_length: int, num_accepted: int) -> None:
         self.last_block = (draft_length, num_accepted)
-        self.draft_tokens += draft_length
-        self.accepted_tokens += num_accepted
-        self.target_passes += 1
-        self.num_drafts += draft_length > 0
-        self.accepted_per_position.extend([0] * (num_accepted - len(self.accepted_per_position)))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
+        self.record.count_step(draft_length, num_accepted)
 
     def draft_limit(self) -> int:
         """The most drafts this row may make next step: its policy's, within its remaining budget (the last token

@@ -107,13 +107,13 @@ class GroupDecoder:
         text = TextState(self.tokenizer, prompt_ids)
         text.add(decoded.output)
         text.flush()
-        passes = decoded.target_passes
+        record = decoded.record
         out.update(text=text.text, tokens=list(decoded.output), finish_reason=decoded.reason,
-                   prompt_tokens=len(prompt_ids), completion_tokens=len(decoded.output), seed=seed, verispec={
-                       "acceptance_rate": decoded.accepted_tokens / decoded.draft_tokens if decoded.draft_tokens else 0.0,
-                       "draft_tokens": decoded.draft_tokens, "accepted_tokens": decoded.accepted_tokens,
-                       "target_passes": passes, "tokens_per_target_pass": len(decoded.output) / passes if passes else 0.0,
-                       "accepted_per_position": list(decoded.accepted_per_position)})
+                   prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens, seed=seed, verispec={
+                       "acceptance_rate": record.acceptance_rate, "draft_tokens": record.draft_tokens,
+                       "accepted_tokens": record.accepted_tokens, "target_passes": record.target_passes,
+                       "tokens_per_target_pass": record.tokens_per_target_pass,
+                       "accepted_per_position": list(record.accepted_per_position)})
         if decoded.reason == "error":
             out["error"] = decoded.error
         return out

@@ -28,8 +28,8 @@ from typing import Any
 
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
-from ..telemetry import GenerationStats, SourceCounts
-from .events import EngineRequest, FinishEvent, RowStats, TokensEvent, finish_stats
+from ..telemetry import GenerationStats, RowRecord
+from .events import EngineRequest, FinishEvent, RowStats, TokensEvent
 from .provenance import Block
 
 __all__ = ["INTERNAL_ERROR", "Engine", "EngineRequest", "FinishEvent", "RequestHandle", "RowStats", "TokensEvent"]
@@ -52,11 +52,10 @@ class RequestHandle:
 
 @dataclass
 class _Pending:
-    """A submitted request: its row, where its events go, and when it arrived."""
+    """A submitted request: its row (whose record says when it arrived) and where its events go."""
 
     row: Row
     on_event: Callable[[TokensEvent | FinishEvent], None]
-    submitted: float
     group: Hashable
     joined: bool = False  # has taken a slot in the batch
 
@@ -89,9 +88,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._batch: DecodeBatch | None = None
         self.requests_total: dict[str, int] = {}
-        self.tokens_generated = self.draft_tokens = self.accepted_tokens = self.num_drafts = 0
-        self.accepted_per_position: list[int] = []
-        self.sources: dict[str, SourceCounts] = {}  # per drafter ("suffix", "model", ...): finished rows' shares
+        self.totals = RowRecord()  # the finished rows' records summed
         self.running = 0
 
     # --- public API --------------------------------------------------------------------------------------
@@ -125,12 +122,12 @@ class Engine:
                                     verification=request.verification)[0]
         row.on_tokens = lambda tokens: on_event(TokensEvent(
             list(tokens), None if row.logprobs is None else row.output_logprobs[len(row.output_logprobs) - len(tokens):],
-            Block(row.target_passes - 1, *row.last_block)))
+            Block(row.record.target_passes - 1, *row.last_block)))
         with self._cv:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
             group = ("request", key) if request.group is None else ("group", request.group)
-            pending = _Pending(row, on_event, time.perf_counter(), group)
+            pending = _Pending(row, on_event, group)
             self._open[key] = pending
             self._waiting.setdefault(group, deque()).append(pending)
             self._cv.notify_all()
@@ -140,13 +137,13 @@ class Engine:
         with self._cv:
             return {
                 "requests_total": dict(self.requests_total),
-                "tokens_generated": self.tokens_generated,
-                "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens,
-                "num_drafts": self.num_drafts,  # row steps with at least one draft token
-                "accepted_per_position": list(self.accepted_per_position),
+                "tokens_generated": self.totals.completion_tokens,
+                "draft_tokens": self.totals.draft_tokens,
+                "accepted_tokens": self.totals.accepted_tokens,
+                "num_drafts": self.totals.num_drafts,  # row steps with at least one draft token
+                "accepted_per_position": list(self.totals.accepted_per_position),
                 # per drafter (a composite's lookup and model apart): hit rate, acceptance, draft length
-                "sources": {name: counts.to_dict() for name, counts in sorted(self.sources.items())},
+                "sources": {name: counts.to_dict() for name, counts in sorted(self.totals.sources.items())},
                 "running": self.running,
                 "batch_size": self.running,  # deprecated alias of "running", kept for one release
                 "waiting": sum(len(queue) for queue in self._waiting.values()),
@@ -235,7 +232,7 @@ class Engine:
         if self._batch is None:
             if not joining:  # nothing running and nothing to run
                 return
-            self._batch = self.decoder.new_batch(stats=GenerationStats())
+            self._batch = self.decoder.new_batch(stats=GenerationStats(rows=None))
         if cancelled:
             finished += self._batch.cancel(cancelled)
         if joining:
@@ -335,7 +332,7 @@ class Engine:
         (the processors read ``row.prompt`` and ``row.output`` apart at each step, so both are put back at once).
         A model drafter then counts the output as prompt for its penalties, which changes how often drafts are
         accepted, never the output."""
-        batch = self.decoder.new_batch(stats=GenerationStats())
+        batch = self.decoder.new_batch(stats=GenerationStats(rows=None))
         prompts = [row.prompt for row in rows]
         try:
             for row in rows:
@@ -380,17 +377,9 @@ class Engine:
             if not self._group_rows[pending.group]:
                 del self._group_rows[pending.group]
         self.requests_total[row.reason] = self.requests_total.get(row.reason, 0) + 1
-        self.tokens_generated += len(row.output)
-        self.draft_tokens += row.draft_tokens
-        self.accepted_tokens += row.accepted_tokens
-        self.num_drafts += row.num_drafts
-        self.accepted_per_position.extend([0] * (len(row.accepted_per_position) - len(self.accepted_per_position)))
-        for i, count in enumerate(row.accepted_per_position):
-            self.accepted_per_position[i] += count
-        for name, counts in row.sources.items():
-            self.sources.setdefault(name, SourceCounts()).merge(counts)
+        row.record.total_time_s = time.perf_counter() - row.record.started
+        self.totals.add(row.record)
         try:
-            pending.on_event(FinishEvent(reason=row.reason, stats=finish_stats(row, pending.submitted),
-                                         error=row.error))
+            pending.on_event(FinishEvent(reason=row.reason, stats=row.record, error=row.error))
         except Exception:  # noqa: BLE001 - a broken callback must not take the engine down
             log.exception("the finish callback of engine row %d (group %s) failed", row.key, pending.group)

@@ -1,16 +1,14 @@
 """What the engine takes and gives: a request (``EngineRequest``), the events its callback receives as the request
-decodes (``TokensEvent``s, then exactly one ``FinishEvent``) and a finished request's counters (``RowStats``)."""
+decodes (``TokensEvent``s, then exactly one ``FinishEvent``, which carries the row's ``RowRecord``)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.logprobs import TokenLogprob
-from ..decode import Row
-from ..telemetry import SourceCounts
+from ..telemetry import RowRecord
 from .provenance import Block
 
 
@@ -39,48 +37,12 @@ class TokensEvent:
     block: Block | None = None  # the step that committed them: how many drafts it had and kept
 
 
-@dataclass(frozen=True)
-class RowStats:
-    """One finished request's counters, as the engine counted them (what the server's telemetry and metrics
-    read): nothing here is reconstructed from a ratio."""
-
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    num_drafts: int = 0  # target passes in which the row drafted at least one token
-    target_passes: int = 0  # target passes that committed tokens for the row
-    accepted_per_position: tuple[int, ...] = ()  # [i]: times draft position i was kept
-    sources: Mapping[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share of the drafting
-    time_to_first_token_s: float | None = None
-    total_time_s: float | None = None
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def tokens_per_target_pass(self) -> float:
-        return self.completion_tokens / self.target_passes if self.target_passes else 0.0
-
-    @property
-    def mean_draft_length(self) -> float:
-        return self.draft_tokens / self.target_passes if self.target_passes else 0.0
+RowStats = RowRecord  # deprecated name of ``RowRecord``, kept for one release
 
 
 @dataclass
 class FinishEvent:
     reason: str  # "stop" (EOS), "length", "error" (NaN logits, a failing callback, an internal failure), "cancelled"
-    stats: RowStats
+    stats: RowRecord  # the row's own record: what happened to it, its times measured from its submission
     error: str | None = None  # why, for "error"; also for "cancelled" when the engine (not the caller) ended it
 
-
-def finish_stats(row: Row, submitted: float) -> RowStats:
-    """A finished row's counters, with its times measured from ``submitted`` (``time.perf_counter``)."""
-    return RowStats(
-        prompt_tokens=len(row.prompt), completion_tokens=len(row.output), draft_tokens=row.draft_tokens,
-        accepted_tokens=row.accepted_tokens, num_drafts=row.num_drafts, target_passes=row.target_passes,
-        accepted_per_position=tuple(row.accepted_per_position),
-        sources={name: counts for name, counts in sorted(row.sources.items())},
-        time_to_first_token_s=(row.first_token_time - submitted) if row.first_token_time else None,
-        total_time_s=time.perf_counter() - submitted)

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.logprobs import TokenLogprob
 from ..text import TextOffsets, TextState
-from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent, RowStats
+from ..telemetry import RowRecord, sum_records
+from .engine import INTERNAL_ERROR, EngineRequest, FinishEvent
 from .errors import ApiError
 from .provenance import ProvenanceLog
 from .responses import (
@@ -98,7 +99,7 @@ class Choice:
     state: TextState | None = None  # made once the engine has accepted the request (its ids are in range)
     handle: Any = None
     finish_reason: str | None = None  # set when the engine's FinishEvent has been processed
-    stats: RowStats | None = None  # the engine's counters, once it finished the choice
+    stats: RowRecord | None = None  # its row's record, once the engine finished the choice
     error: str | None = None
     received: int = 0  # tokens received from the engine (past a stop string too)
     first_token_at: float | None = None
@@ -266,31 +267,15 @@ class Generation:
     def telemetry(self, choices: Sequence[Choice] | None = None) -> Telemetry:
         """The ``verispec`` extension: speculative telemetry summed over ``choices`` (all by default)."""
         summed = self.choices if choices is None else choices
-        finished = [c.stats or RowStats(completion_tokens=c.received) for c in summed]
-        draft = sum(s.draft_tokens for s in finished)
-        accepted = sum(s.accepted_tokens for s in finished)
-        generated = sum(s.completion_tokens for s in finished)
-        passes = sum(s.target_passes for s in finished)
-        return Telemetry(
-            acceptance_rate=accepted / draft if draft else 0.0,
-            tokens_per_target_pass=generated / passes if passes else 0.0,
-            mean_draft_length=draft / passes if passes else 0.0,
-            draft_tokens=draft, accepted_tokens=accepted, generated_tokens=generated,
-            choices=[self.choice_telemetry(c) for c in summed] if choices is None else None,
-        )
+        return Telemetry.of(sum_records(c.stats or RowRecord(completion_tokens=c.received) for c in summed),
+                            choices=[self.choice_telemetry(c) for c in summed] if choices is None else None)
 
     @staticmethod
     def choice_telemetry(choice: Choice) -> ChoiceTelemetry:
         """The choice's telemetry, with (if asked) the provenance of its tokens not sent yet."""
-        stats = choice.stats or RowStats(completion_tokens=choice.received)
-        return ChoiceTelemetry(
-            index=choice.index, acceptance_rate=stats.acceptance_rate,
-            tokens_per_target_pass=stats.tokens_per_target_pass,
-            mean_draft_length=stats.mean_draft_length, draft_tokens=stats.draft_tokens,
-            accepted_tokens=stats.accepted_tokens, generated_tokens=stats.completion_tokens,
-            time_to_first_token_s=stats.time_to_first_token_s, total_time_s=stats.total_time_s,
-            error=choice.error, tokens=_provenance(choice),
-        )
+        record = choice.stats or RowRecord(completion_tokens=choice.received)  # not finished: the tokens received
+        return ChoiceTelemetry.of(record, index=choice.index, time_to_first_token_s=record.time_to_first_token_s,
+                                  total_time_s=record.total_time_s, error=choice.error, tokens=_provenance(choice))
 
     def full_response(self) -> BaseModel:
         common = {"id": self.id, "created": self.created, "model": self.server.model_name, "usage": self.usage(),

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-if TYPE_CHECKING:
-    from .engine import RowStats
+from ..telemetry import RowRecord
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -116,7 +114,7 @@ class Metrics:
         self.by_drafter = {name: Counter(f"verispec_drafter_{name}_total", text, ["drafter"], registry=registry)
                            for name, text in by_drafter}
         self._totals_lock = threading.Lock()
-        self._draft_total = self._accepted_total = 0  # for the acceptance-rate gauge
+        self._total = RowRecord()  # the finished requests' records summed: the acceptance-rate gauge reads it
         Gauge("verispec_acceptance_rate", "Accepted / proposed draft tokens since the start.",
               registry=registry).set_function(self._acceptance_rate)
         Gauge("verispec_server_requests_in_flight", "Engine requests submitted by this server and not finished yet.",
@@ -132,23 +130,21 @@ class Metrics:
                                  "Time from a request's arrival to its last token, per choice.",
                                  buckets=LATENCY_BUCKETS, registry=registry)
 
-    def count_engine_finish(self, status: str, stats: RowStats) -> None:
+    def count_engine_finish(self, status: str, stats: RowRecord) -> None:
         """One engine request finished with ``status``; ``stats`` is its ``FinishEvent.stats``. Safe on any
         thread."""
         self.requests.labels(status).inc()
         self.tokens_generated.inc(stats.completion_tokens)
-        draft, accepted = stats.draft_tokens, stats.accepted_tokens
         self.drafts.inc(stats.num_drafts)
-        self.draft_tokens.inc(draft)
-        self.accepted_tokens.inc(accepted)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):
             self.accepted_per_position.labels(str(position)).inc(count)
         for drafter, counts in stats.sources.items():
             for name, counter in self.by_drafter.items():
                 counter.labels(drafter).inc(getattr(counts, name))
         with self._totals_lock:
-            self._draft_total += draft
-            self._accepted_total += accepted
+            self._total.add(stats)
 
     def count_http(self, endpoint: str, status: int) -> None:
         self.http.labels(endpoint, str(status)).inc()
@@ -163,4 +159,4 @@ class Metrics:
 
     def _acceptance_rate(self) -> float:
         with self._totals_lock:
-            return self._accepted_total / self._draft_total if self._draft_total else 0.0
+            return self._total.acceptance_rate

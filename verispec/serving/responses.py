@@ -4,9 +4,11 @@ extension: a ``verispec`` object of speculative telemetry on every completion.""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, Field
+
+from ..telemetry import RowRecord
 
 FinishReason = Literal["stop", "length", "tool_calls", "error"]
 
@@ -43,6 +45,13 @@ class SpeculativeStats(BaseModel):
     draft_tokens: int
     accepted_tokens: int
     generated_tokens: int = Field(description="Tokens the engine generated (past a stop string too).")
+
+    @classmethod
+    def of(cls, record: RowRecord, **fields: Any) -> Self:
+        """The stats of a row's record (or of a sum of records), with ``fields`` of the subclass."""
+        return cls(acceptance_rate=record.acceptance_rate, tokens_per_target_pass=record.tokens_per_target_pass,
+                   mean_draft_length=record.mean_draft_length, draft_tokens=record.draft_tokens,
+                   accepted_tokens=record.accepted_tokens, generated_tokens=record.completion_tokens, **fields)
 
 
 class TokenProvenance(BaseModel):
