@@ -228,8 +228,9 @@ def markdown(results: dict) -> str:
     lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**.",
               "", "Controller steps: the speculation controller's decisions over each mode's repeats, by reason "
               "(`pays`: a cap > 0 beat the target alone at confidence; `alone`: k = 0 for the whole batch; `explore`: "
-              "a neighbouring cap run once to measure it; `none`: no row may draft). The target alone has no "
-              "controller. Acceptance: drafts kept over drafts made, pooled over "
+              "a neighbouring cap run once to measure it; `none`: no row may draft; `priced`: the backend's pass cost "
+              "says no draft can pay). The target alone has no controller. Acceptance: drafts kept over drafts made, "
+              "pooled over "
               "the level's requests (`-`: nothing drafted).", "",
               "![speculative / target alone by clients](serve.png)", "",
               "The plot: the pooled ratio (line) and each repeat's pair, speculative over the target alone run beside "
