@@ -49,9 +49,12 @@ Z = 2.0
 # Each new step at a (bucket, cap) weighs 1 and the earlier ones this much less: the latency table follows a
 # load that changes (about the last 30 steps count).
 DECAY = 0.97
-# ... and every estimate also ages with the wall clock: what a cap cost this long ago is worth half as many steps
-# (so a cap the controller stopped running grows uncertain and is looked at again once the load may have moved).
+# ... and with the wall clock: a step timed HALF_LIFE_S before the latest one weighs half as much beside it (a cap
+# re-timed after the load moved follows the new timings at once), and an estimate's confidence halves every
+# PREDICT_HALF_LIFE_S it goes without a step (a cap the controller stopped running grows uncertain and is looked at
+# again), slowly enough that a pause between requests does not send the controller back to exploring.
 HALF_LIFE_S = 10.0
+PREDICT_HALF_LIFE_S = 120.0
 # Relative spread assumed for a latency seen fewer than twice (a single step says nothing of its noise) and
 # the least spread ever assumed (a machine's timings drift by a few percent whatever the sample size).
 PRIOR_SPREAD, MIN_SPREAD = 0.10, 0.02
@@ -80,9 +83,10 @@ def bucket_label(bucket: int) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
-def age_factor(then: float | None, now: float) -> float:
-    """How much evidence gathered at ``then`` is still worth at ``now`` (1 fresh, 1/2 after ``HALF_LIFE_S``)."""
-    return 1.0 if then is None else 0.5 ** (max(now - then, 0.0) / HALF_LIFE_S)
+def age_factor(then: float | None, now: float, half_life: float | None = None) -> float:
+    """How much evidence gathered at ``then`` is still worth at ``now`` (1 fresh, 1/2 after ``half_life``)."""
+    half_life = HALF_LIFE_S if half_life is None else half_life
+    return 1.0 if then is None else 0.5 ** (max(now - then, 0.0) / half_life)
 
 
 @dataclass
@@ -110,7 +114,7 @@ class LatencyStats:
     def samples(self, now: float | None = None) -> float:
         """The effective number of steps behind the estimate, aged to ``now``."""
         n = self.w * self.w / self.w2 if self.w2 else 0.0
-        return n if now is None else n * age_factor(self.updated, now)
+        return n if now is None else n * age_factor(self.updated, now, PREDICT_HALF_LIFE_S)
 
     def predict(self, rows: int, now: float | None = None) -> tuple[float, float]:
         """(mean seconds, standard error) of a step of ``rows`` rows, as known at ``now``."""
