@@ -201,6 +201,7 @@ class SpeculationController:
     _latency: dict[tuple[int, int], LatencyStats] = field(default_factory=dict, repr=False)
     _catch_up: list[float] = field(default_factory=lambda: [0.0, 0.0], repr=False)  # decayed tokens, seconds
     _schedules: dict[int, _Schedule] = field(default_factory=dict, repr=False)
+    _paying: dict[tuple[int, int], int] = field(default_factory=dict, repr=False)  # paying_cap by (rows, top)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     steps_by_reason: Counter = field(default_factory=Counter)
     last_by_bucket: dict[str, CapDecision] = field(default_factory=dict)
@@ -236,8 +237,7 @@ class SpeculationController:
         # seeded request's tokens) never depend on which rows share the step.
         wanted = max((r.limit for r in rows if not r.pinned), default=0)
         wanted_pinned = max((r.limit for r in rows if r.pinned), default=0)
-        paying = paying_cap(self.pass_cost, size, wanted)
-        paying_pinned = paying_cap(self.pass_cost, 1, wanted_pinned)
+        paying, paying_pinned = self._paying_cap(size, wanted), self._paying_cap(1, wanted_pinned)
         if (wanted or wanted_pinned) and not paying and not paying_pinned:  # no draft can commit what it costs
             return [0] * size, CapDecision(0, "priced", size, label)
         if paying < wanted or paying_pinned < wanted_pinned:  # nobody drafts past the longest that can pay
@@ -269,6 +269,14 @@ class SpeculationController:
         lengths = [r.limit if r.pinned else min(r.limit, choice) for r in rows]
         return lengths, CapDecision(choice, reason, size, label, bounds[choice][0], bounds[0][0],
                                     batch_tokens[choice])
+
+    def _paying_cap(self, rows: int, top: int) -> int:
+        """``paying_cap`` on this controller's backend, kept: a pass-cost curve is measured once, and a step's
+        decision should not price up to 2 x 16 passes again."""
+        key = (rows, top)
+        if key not in self._paying:
+            self._paying[key] = paying_cap(self.pass_cost, rows, top)
+        return self._paying[key]
 
     def _batch_tokens(self, rows: Sequence[RowPlan]) -> Callable[[int], tuple[float, float, float]]:
         """``tokens(cap)``: the batch's expected tokens at ``cap`` with a lower and an upper bound.
