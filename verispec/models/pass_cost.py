@@ -64,10 +64,6 @@ class PassCostCurve:
         (n0, s0), (n1, s1) = zip(self.tokens[-2:], self.seconds[-2:])
         return min(s1 + (s1 - s0) / (n1 - n0) * (n - n1), most)
 
-    def ratio(self, width: int, rows: int = 1) -> float:
-        """A pass of ``width`` tokens per row over a pass of one token per row (same rows)."""
-        return self(width, rows) / self(1, rows)
-
 
 def measure_curve(run: Callable[[int], None], tokens: Sequence[int] = MEASURED_TOKENS, *,
                   per_call: int | None = None, repeats: int = REPEATS,

@@ -55,6 +55,12 @@ class PositionCounts:
         return sum(self.kept), sum(self.judged)
 
 
+def age_factor(then: float | None, now: float, half_life: float) -> float:
+    """What evidence gathered at ``then`` is still worth at ``now``: 1 fresh (or never gathered), 1/2 after
+    ``half_life`` seconds."""
+    return 1.0 if then is None else 0.5 ** (max(now - then, 0.0) / half_life)
+
+
 def _by_outcome() -> tuple[PositionCounts, PositionCounts]:
     return PositionCounts(), PositionCounts()
 
@@ -82,8 +88,8 @@ class AcceptancePool:
         """Let the counts lose half their weight per ``half_life_s`` since the last call: when no row drafted for
         a while (the controller ran the target alone), what the pool says of acceptance grows uncertain, and an
         optimistic bound makes the controller look again."""
-        if self.aged_at is not None and now > self.aged_at:
-            factor = 0.5 ** ((now - self.aged_at) / self.half_life_s)
+        factor = age_factor(self.aged_at, now, self.half_life_s)
+        if factor < 1.0:
             for counts in (self.counts, *self.by_previous):
                 counts.scale(factor)
         self.aged_at = now if self.aged_at is None else max(self.aged_at, now)

@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .acceptance import AcceptanceEstimate, AcceptancePool
+from .acceptance import AcceptanceEstimate, AcceptancePool, age_factor
 from .formula import expected_tokens_curve
 
 # Confidence bounds are mean -/+ Z standard errors of the latency: about 2.3% one-sided for a normal spread.
@@ -83,12 +83,6 @@ def bucket_label(bucket: int) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
-def age_factor(then: float | None, now: float, half_life: float | None = None) -> float:
-    """How much evidence gathered at ``then`` is still worth at ``now`` (1 fresh, 1/2 after ``half_life``)."""
-    half_life = HALF_LIFE_S if half_life is None else half_life
-    return 1.0 if then is None else 0.5 ** (max(now - then, 0.0) / half_life)
-
-
 @dataclass
 class LatencyStats:
     """Whole-step seconds at one (bucket, cap): exponentially weighted least squares of seconds on batch rows,
@@ -103,20 +97,20 @@ class LatencyStats:
     sxy: float = 0.0
     syy: float = 0.0
 
-    def add(self, rows: int, seconds: float, now: float | None = None) -> None:
-        decay = DECAY * (1.0 if now is None else age_factor(self.updated, now))
-        self.updated = now if now is not None else self.updated
+    def add(self, rows: int, seconds: float, now: float) -> None:
+        decay = DECAY * age_factor(self.updated, now, HALF_LIFE_S)
+        self.updated = now
         self.w, self.w2 = decay * self.w + 1.0, decay * decay * self.w2 + 1.0
         self.sx, self.sy = decay * self.sx + rows, decay * self.sy + seconds
         self.sxx, self.sxy = decay * self.sxx + rows * rows, decay * self.sxy + rows * seconds
         self.syy = decay * self.syy + seconds * seconds
 
-    def samples(self, now: float | None = None) -> float:
+    def samples(self, now: float) -> float:
         """The effective number of steps behind the estimate, aged to ``now``."""
         n = self.w * self.w / self.w2 if self.w2 else 0.0
-        return n if now is None else n * age_factor(self.updated, now, PREDICT_HALF_LIFE_S)
+        return n * age_factor(self.updated, now, PREDICT_HALF_LIFE_S)
 
-    def predict(self, rows: int, now: float | None = None) -> tuple[float, float]:
+    def predict(self, rows: int, now: float) -> tuple[float, float]:
         """(mean seconds, standard error) of a step of ``rows`` rows, as known at ``now``."""
         mx, my = self.sx / self.w, self.sy / self.w
         var_x, cov = self.sxx / self.w - mx * mx, self.sxy / self.w - mx * my
