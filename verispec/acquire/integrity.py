@@ -16,7 +16,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 Progress = Callable[[str], None]
@@ -48,12 +49,15 @@ def _hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, data: str) -> None:
+@contextmanager
+def _atomic_file(path: Path, mode: str) -> Iterator:
+    """A temp file next to ``path``, open in ``mode``: renamed to ``path`` if the block ends normally, removed if
+    it raises."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
+        with os.fdopen(fd, mode) as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -87,30 +91,22 @@ def _marker_matches(marker: Path, gguf: Path, expected_sha256: str) -> bool:
         st = gguf.stat()
     except (OSError, ValueError):
         return False
-    return (
-        isinstance(rec, dict)
-        and rec.get("path") == str(gguf.resolve())
-        and rec.get("size") == st.st_size
-        and rec.get("mtime_ns") == st.st_mtime_ns
-        and rec.get("sha256") == expected_sha256.lower()
-    )
+    return (isinstance(rec, dict) and rec.get("path") == str(gguf.resolve()) and rec.get("size") == st.st_size
+            and rec.get("mtime_ns") == st.st_mtime_ns and rec.get("sha256") == expected_sha256.lower())
 
 
 def _write_marker(marker: Path, gguf: Path, sha256: str) -> None:
     st = gguf.stat()
     rec = {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
-    _write_atomic(marker, json.dumps(rec, indent=1) + "\n")
+    with _atomic_file(marker, "w") as f:
+        f.write(json.dumps(rec, indent=1) + "\n")
 
 
 def verify_gguf(path: Path, expected_size: int, expected_sha256: str, *, marker: Path | None = None,
                 progress: Progress | None = None) -> Path:
-    """Check that ``path`` has the expected size and sha256; return it.
-
-    The size is always checked. The sha256 is recomputed unless ``marker`` (default
-    ``<path>.verified.json``) records this very file (resolved path, size and mtime) with the expected hash;
-    after a successful hash the marker is (re)written. Raises :class:`ZooError` on any mismatch or if the
-    file is missing.
-    """
+    """``path``, once its size and sha256 matched (:class:`ZooError` if not, or if it is missing). The sha256 is
+    recomputed unless ``marker`` (default ``<path>.verified.json``) vouches for this very file; after a
+    successful hash the marker is (re)written."""
     path = Path(path)
     marker = Path(marker) if marker is not None else _default_marker(path)
     if not path.is_file():
@@ -137,10 +133,8 @@ def _check_parts(parts: list[Path], dest: Path, expected_size: int) -> int:
         raise ZooError(f"missing part file(s) for {dest.name}: {', '.join(missing)}")
     total = sum(p.stat().st_size for p in parts)
     if total != expected_size:
-        raise ZooError(
-            f"size mismatch for {dest.name}: expected {expected_size:,} bytes, "
-            f"the {len(parts)} parts add up to {total:,}"
-        )
+        raise ZooError(f"size mismatch for {dest.name}: expected {expected_size:,} bytes, the {len(parts)} parts add "
+                       f"up to {total:,}")
     return total
 
 
@@ -165,35 +159,24 @@ def assemble_gguf(parts: Sequence[Path], dest: Path, expected_size: int, expecte
                   marker: Path | None = None, progress: Progress | None = None) -> Path:
     """Concatenate ``parts`` in order into ``dest`` and verify it; return ``dest``.
 
-    Streams the parts (never holds a whole part in memory) into a temp file next to ``dest``, hashing as it
-    writes. ``dest`` is created (by an atomic rename) only if the total size and sha256 match; otherwise the
-    temp file is removed and :class:`ZooError` names expected vs found. The total size is checked before
-    anything is written. A marker (default ``<dest>.verified.json``) is written so :func:`verify_gguf` can
-    skip rehashing later.
+    Streams the parts into a temp file next to ``dest``, hashing as it writes; the total size is checked
+    before anything is written. ``dest`` appears (atomic rename) only if size and sha256 match; otherwise
+    :class:`ZooError` names expected vs found. A marker (default ``<dest>.verified.json``) spares
+    :func:`verify_gguf` the rehash later.
     """
     parts = [Path(p) for p in parts]
     dest = Path(dest)
     marker = Path(marker) if marker is not None else _default_marker(dest)
     total = _check_parts(parts, dest, expected_size)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     say(progress, f"assembling {dest.name} from {len(parts)} part(s) ({_mb(total)}) ...")
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            written, found = _concatenate(parts, out, dest.name, progress)
+    with _atomic_file(dest, "wb") as out:
+        written, found = _concatenate(parts, out, dest.name, progress)
         say(progress, f"verifying sha256 of {dest.name} ...")
         # Parts can change between the size check above and the read: check what was really written.
         if written != expected_size:
             raise ZooError(f"size mismatch for {dest.name}: expected {expected_size:,} bytes, wrote {written:,}")
         if found != expected_sha256.lower():
-            raise ZooError(
-                f"sha256 mismatch for {dest.name} assembled from {len(parts)} part(s): "
-                f"expected {expected_sha256.lower()}, found {found}"
-            )
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+            raise ZooError(f"sha256 mismatch for {dest.name} assembled from {len(parts)} part(s): "
+                           f"expected {expected_sha256.lower()}, found {found}")
     _write_marker(marker, dest, found)
     return dest

