@@ -14,18 +14,11 @@ ids, so it relies on four things a model either does or does not do, whatever it
 4. a row's logits do not depend on the other rows of the batch (a model choosing rotary frequencies from
    the largest position in the whole batch would fail here).
 
-:func:`probe` checks all four in eight small forward passes: six tokens through the model's own forward and
-in one pass through the cache, after another row, decoded four then two tokens at a time, then three rows
-through the cache with left padding, positions at the end of the range, a per-row rollback and masked slots inserted
-without running the model. It compares logits, with a tolerance set by the rounding noise it measures on
-the model itself.
-:func:`require_exact_rollback` raises :class:`UnsupportedModelError` (a ``ValueError``) naming the model type
-and the failed property; its verdict is remembered per model.
-
-Rotary scalings that switch frequencies past a length (Phi-3 "longrope": once a sequence is longer than
-``original_max_position_embeddings`` every position is re-encoded with other factors, which transformers'
-own generation handles by recomputing the whole cache) are not a fault of the cache: :func:`position_limit`
-caps such models at the switch, so requests that would cross it are refused up front.
+:func:`probe` checks all four in eight small forward passes, comparing logits with a tolerance set by the
+rounding noise it measures on the model itself; :func:`require_exact_rollback` raises
+:class:`UnsupportedModelError` (a ``ValueError``) naming the model type and the failed property, and remembers
+its verdict per model. Rotary scalings that switch frequencies past a length (Phi-3 "longrope") are not a
+fault of the cache: :func:`position_limit` caps such models at the switch, so longer requests are refused.
 """
 
 from __future__ import annotations
@@ -47,7 +40,7 @@ if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp
 # pass over all tokens, masked slots change the order of sums, and kernels that cast activations to bf16
 # (int4 drafts) or quantise them with a scale taken over the whole batch (dynamic int8) magnify that: 1% of
 # the largest logit for Qwen2.5-Coder-0.5B in int4, 65% in int8. The probe measures this noise on the model
-# itself (see `_run_probe`) and fails a property only when its difference exceeds NOISE_FACTOR times the
+# itself (``_Probe.noise``) and fails a property only when its difference exceeds NOISE_FACTOR times the
 # noise and TOLERANCE_FLOOR, both as fractions of the largest logit. In float32 the noise is about 1e-6; the
 # faults found on tiny random models differ by 1e-2 (a bidirectional model) to 1 (a model ignoring its
 # cache). A model as noisy as an int8 one is judged only on gross faults: fit to draft, not to be a target.
@@ -90,11 +83,9 @@ class UnsupportedModelError(ValueError):
     def __init__(self, model: PreTrainedModel, reason: str, detail: str = "") -> None:
         self.model_type = model_type(model)
         self.reason = reason
-        super().__init__(
-            f"{type(model).__name__} (model type {self.model_type!r}) is not supported: {reason}"
-            f"{'; ' + detail if detail else ''}. verispec would roll its cache back wrongly, so it refuses the "
-            "model rather than return output that differs from the model's own"
-        )
+        super().__init__(f"{type(model).__name__} (model type {self.model_type!r}) is not supported: {reason}"
+                         f"{'; ' + detail if detail else ''}. verispec would roll its cache back wrongly, so it "
+                         "refuses the model rather than return output that differs from the model's own")
 
 
 @dataclass
@@ -131,12 +122,9 @@ def position_limit(model: PreTrainedModel) -> tuple[int | None, str | None]:
             break
     switch = _rotary_switch(config)
     if switch is not None and (limit is None or switch < limit):
-        reason = (
-            f"its longrope rotary scaling re-encodes every position once a sequence is longer than "
-            f"original_max_position_embeddings={switch} (transformers recomputes the whole cache there); "
-            "longer requests are refused"
-        )
-        return switch, reason
+        return switch, (f"its longrope rotary scaling re-encodes every position once a sequence is longer than "
+                        f"original_max_position_embeddings={switch} (transformers recomputes the whole cache "
+                        "there); longer requests are refused")
     return limit, None
 
 
@@ -159,10 +147,8 @@ def _rotary_switch(config) -> int | None:
 def _hole_size(model: PreTrainedModel, limit: int | None) -> int:
     """Masked slots to insert: more than any attention window the text config names, within the model's
     position range and the cap."""
-    windows = [
-        value for name, value in model.config.get_text_config().to_dict().items()
-        if "window" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0
-    ]
+    windows = [value for name, value in model.config.get_text_config().to_dict().items()
+               if "window" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0]
     size = max([MIN_HOLE] + [w + 1 for w in windows])
     room = MAX_HOLE if limit is None else max(MIN_HOLE, min(MAX_HOLE, limit - 16))
     return min(size, room)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -22,12 +23,8 @@ from torch import nn
 def packing_supported(model: nn.Module) -> bool:
     """Pre-packing needs a CPU model in float32 or bfloat16 and PyTorch built with oneDNN."""
     param = next(model.parameters())
-    return (
-        param.device.type == "cpu"
-        and param.dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    )
+    return (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 class PackedLinear(nn.Module):
@@ -37,7 +34,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint), persistent=False)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
+                             persistent=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,11 +57,16 @@ def prepack_linears(model: nn.Module, batch_hint: int = 8) -> int:
     """
     if not packing_supported(model):
         return 0
+    return _replace_linears(model, lambda linear: PackedLinear(linear, batch_hint))
+
+
+def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Swap every plain ``nn.Linear`` in ``model`` (in place) for ``make(linear)``; returns how many."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, PackedLinear(child, batch_hint))
+                setattr(parent, name, make(child))
                 replaced += 1
     return replaced
 
@@ -106,12 +109,9 @@ class Int4Linear(nn.Module):
 def int4_supported(model: nn.Module, group_size: int = 64) -> bool:
     """ATen's CPU int4 kernel: CPU weights, every linear's input size a multiple of the group size."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
-    return (
-        bool(linears)
-        and next(model.parameters()).device.type == "cpu"
-        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-        and all(m.in_features % group_size == 0 for m in linears)
-    )
+    return (bool(linears) and next(model.parameters()).device.type == "cpu"
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            and all(m.in_features % group_size == 0 for m in linears))
 
 
 def shared_copy(model: nn.Module) -> nn.Module:
@@ -141,10 +141,7 @@ def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.
     if not int4_supported(model, group_size):
         raise ValueError(f"int4 drafts need a CPU model whose linear input sizes are multiples of {group_size}")
     quantized = shared_copy(model)
-    for parent in list(quantized.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, Int4Linear(child, group_size))
+    _replace_linears(quantized, lambda linear: Int4Linear(linear, group_size))
     return quantized
 
 

@@ -17,14 +17,8 @@ if TYPE_CHECKING:
 __all__ = ["LoadError", "load_files", "load_model", "load_tokenizer", "parse_device", "parse_dtype",
            "parse_model_dtype", "same_tokenizer"]
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                                   "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 class LoadError(ValueError):
@@ -32,12 +26,8 @@ class LoadError(ValueError):
 
 
 def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """Return the torch dtype for ``dtype``.
-
-    Accepts ``torch.float32``/``bfloat16``/``float16`` or the strings ``float32 fp32 bfloat16 bf16 float16
-    fp16`` (case-insensitive, an optional ``torch.`` prefix allowed). Anything else raises ``ValueError``
-    naming the accepted values.
-    """
+    """The torch dtype for ``torch.float32``/``bfloat16``/``float16`` or a name in ``_DTYPES`` (case-insensitive,
+    an optional ``torch.`` prefix allowed); anything else raises ``ValueError`` naming the accepted values."""
     accepted = sorted(set(_DTYPES.values()), key=str)
     if isinstance(dtype, torch.dtype):
         if dtype in accepted:
@@ -46,10 +36,8 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         key = dtype.strip().lower().removeprefix("torch.")
         if key in _DTYPES:
             return _DTYPES[key]
-    raise ValueError(
-        f"unsupported dtype {dtype!r}; accepted: {', '.join(_DTYPES)} "
-        f"or one of {', '.join(str(d) for d in accepted)}"
-    )
+    raise ValueError(f"unsupported dtype {dtype!r}; accepted: {', '.join(_DTYPES)} or one of "
+                     f"{', '.join(str(d) for d in accepted)}")
 
 
 def parse_model_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
