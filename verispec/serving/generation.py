@@ -291,9 +291,7 @@ class Generation:
         model wrote only calls)."""
         message = AssistantMessage(content=choice.state.text)
         if choice.tools is not None:
-            content, calls = choice.tools.feed(choice.state.text)
-            rest, more = choice.tools.finish()
-            content, calls = content + rest, calls + more
+            content, calls = choice.tools.finish(choice.state.text)
             message = AssistantMessage(content=content or (None if calls else ""), tool_calls=[
                 ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                 for call in calls] or None)
@@ -359,17 +357,13 @@ class Generation:
             entry = CompletionChoice(index=choice.index, text=text or "", logprobs=self._logprobs(choice), **end)
         return kind(**common, choices=[entry])
 
-
     @staticmethod
     def _delta(choice: Choice, text: str, finished: bool) -> ChatDelta:
         """A piece of a chat choice: its text, or with tools the content and the calls that piece completed
         (each call whole in one delta, at its place in the choice's ``tool_calls``)."""
         if choice.tools is None:
             return ChatDelta(content=text or None)
-        content, calls = choice.tools.feed(text)
-        if finished:
-            rest, more = choice.tools.finish()
-            content, calls = content + rest, calls + more
+        content, calls = choice.tools.finish(text) if finished else choice.tools.feed(text)
         first = len(choice.tools.calls) - len(calls)
         return ChatDelta(content=content or None, tool_calls=[
             ToolCallDelta(index=first + i, id=call.id, type="function",

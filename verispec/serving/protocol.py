@@ -35,8 +35,7 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 MAX_DRAFT_TOKENS = 64
-MAX_TOKEN_ID = 2**63 - 1  # ids must fit the engine's int64 tensors
-MAX_INT = 2**63 - 1  # every integer setting becomes an int64 in the engine's tensors
+MAX_INT = 2**63 - 1  # every integer setting and token id becomes an int64 in the engine's tensors
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -102,14 +101,14 @@ def _prompt_kind(value: Any) -> str | None:
     return None
 
 
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Prompt = Annotated[
     Annotated[Text, Tag("text")] | Annotated[list[Text], Field(min_length=1), Tag("texts")]
     | Annotated[TokenIds, Tag("ids")] | Annotated[list[TokenIds], Field(min_length=1), Tag("id_lists")],
     Discriminator(_prompt_kind),
     one_error("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
-               f"token ids must be between 0 and {MAX_TOKEN_ID}"),
+               f"token ids must be between 0 and {MAX_INT}"),
 ]
 Stop = Annotated[Text | list[Text], one_error("'stop' must be a string or a list of strings")]
 
@@ -193,18 +192,8 @@ class SpeculationOptions(BaseModel):
         return 0 if value == "off" else value
 
 
-def _no_effect(value: Any) -> bool:
-    return not value
-
-
-# Fields this server does not implement, and the values that change nothing (accepted as if absent).
-UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "echo": _no_effect,
-    "suffix": _no_effect,
-    "ignore_eos": _no_effect,
-    "functions": _no_effect,
-    "function_call": _no_effect,
-}
+# Fields this server does not implement: accepted only when absent or a value that changes nothing (falsy).
+UNSUPPORTED = ("echo", "suffix", "ignore_eos", "functions", "function_call")
 _UNSUPPORTED_FIELD = Field(None, description="Not supported: refused with HTTP 400 unless absent or a no-op value.")
 
 
@@ -290,7 +279,7 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError(
                 "invalid_value", f"'logit_bias' holds {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         for key in value:
-            if not (key.isascii() and key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_INT):
                 raise PydanticCustomError("invalid_value",
                                           f"'logit_bias' keys must be token ids written as strings, got {_short(key)}")
         return value
@@ -299,17 +288,10 @@ class SamplingRequest(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, value: Any, info: ValidationInfo) -> Any:
         name = info.field_name
-        if name == "best_of":
-            allowed = value in (None, 1, info.data.get("n", 1))
-        else:
-            allowed = cls._no_effect(name)(value)
+        allowed = value in (None, 1, info.data.get("n", 1)) if name == "best_of" else not value
         if not allowed:
             raise PydanticCustomError("unsupported_parameter", f"'{name}' is not supported by this server")
         return value
-
-    @classmethod
-    def _no_effect(cls, name: str) -> Callable[[Any], bool]:
-        return UNSUPPORTED[name]
 
     # ---- what the app needs, with OpenAI's defaults applied
 

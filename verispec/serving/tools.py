@@ -1,16 +1,10 @@
 """Tool calling as OpenAI defines it: the chat format the model's own template writes tool calls in, the grammar
 that makes a call certain, and the parser that turns the model's text into ``tool_calls``, whole or streamed.
 
-Formats, chosen from the tokenizer's chat template:
-
-- **Hermes**, the format of Qwen2.5's template (tested with it): the template takes ``tools`` and writes each
-  call as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (tool results come back in
-  ``<tool_response>`` tags, which the template writes itself). Any template that reads ``tools`` and writes
-  ``<tool_call>`` is read this way.
-
-A template that never reads ``tools`` has no tool support (its prompt could not show the functions): a request
-with ``tools`` is refused with a 400 (``code: "tools_not_supported"``), as is one whose template takes tools in a
-format this module does not parse.
+The format is read off the tokenizer's chat template: **Hermes**, Qwen2.5's (tested with it), writes each call
+as ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; any template that reads ``tools`` and
+writes ``<tool_call>`` is read this way. With any other template (one that never reads ``tools`` could not
+even show the functions) a request with ``tools`` is refused with a 400 (``code: "tools_not_supported"``).
 
 ``tool_choice``: ``"auto"`` parses whatever the model writes (a call whose text is not a JSON object naming one
 of the tools stays in ``content``); ``"none"`` still shows the tools to the template but parses nothing;
@@ -164,10 +158,6 @@ def tool_grammar(setup: ToolSetup, tokenizer) -> str | None:
 # ------------------------------------------------------------------------------------------- parsing
 
 
-def _new_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 class ToolCallParser:
     """The model's text as ``content`` and ``tool_calls``, fed piece by piece (``feed``, then ``finish``).
 
@@ -219,9 +209,10 @@ class ToolCallParser:
                 self._in_call = True
         return "".join(content), new_calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest, once no more text will come: an unclosed call and a partial tag are content."""
-        content, new_calls = self.feed("")
+    def finish(self, text: str = "") -> tuple[str, list[ToolCall]]:
+        """``feed(text)`` and the rest, once no more text will come: an unclosed call and a partial tag are
+        content."""
+        content, new_calls = self.feed(text)
         rest = (self.format.open_tag if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
         tail = self._space + rest if rest else ("" if self.calls else self._space)
@@ -246,7 +237,7 @@ class ToolCallParser:
         arguments = value.get("arguments", value.get("parameters", {}))
         if not isinstance(arguments, dict):
             return None
-        return ToolCall(_new_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def _tag_prefix_length(text: str, tag: str) -> int:
