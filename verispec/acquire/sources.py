@@ -143,26 +143,18 @@ def _hf_cache_key(gguf: Path, sha256: str | None) -> str:
     return f"{gguf.stem[:40]}-{sha256[:16]}-tf{transformers.__version__}"
 
 
-def _converted_tokenizer(gguf: Path, folder: Path, progress: Progress | None) -> Path:
-    """``folder``, holding the Hugging Face tokenizer converted from the GGUF's vocabulary (once)."""
-    from transformers import AutoTokenizer
+def _converted(gguf: Path, folder: Path, kind: Literal["tokenizer", "config"], progress: Progress | None) -> Path:
+    """``folder``, holding the GGUF's tokenizer or config as Hugging Face files, converted once (for llama/qwen2
+    transformers builds even the config by parsing every GGUF field, the vocabulary included, in Python)."""
+    from transformers import AutoConfig, AutoTokenizer
 
-    if not (folder / "tokenizer_config.json").is_file():
-        say(progress, f"converting tokenizer from {gguf.name} (done once, then cached) ...")
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        save_atomic_dir(folder, lambda d: tokenizer.save_pretrained(str(d)))
-    return folder
-
-
-def _converted_config(gguf: Path, folder: Path, progress: Progress | None) -> Path:
-    """``folder``, holding the model's ``config.json`` read from the GGUF (once): for llama/qwen2 transformers
-    builds it by parsing every GGUF field (the vocabulary included) in Python."""
-    from transformers import AutoConfig
-
-    if not (folder / "config.json").is_file():
-        say(progress, f"reading config from {gguf.name} ...")
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
-        save_atomic_dir(folder, lambda d: config.save_pretrained(str(d)))
+    tokenizer = kind == "tokenizer"
+    if not (folder / ("tokenizer_config.json" if tokenizer else "config.json")).is_file():
+        say(progress, f"converting tokenizer from {gguf.name} (done once, then cached) ..." if tokenizer
+            else f"reading config from {gguf.name} ...")
+        loader = AutoTokenizer if tokenizer else AutoConfig
+        loaded = loader.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+        save_atomic_dir(folder, lambda d: loaded.save_pretrained(str(d)))
     return folder
 
 
@@ -244,6 +236,6 @@ def resolve(name_or_path: str, *, backend: Literal["torch", "llama.cpp"] = "torc
     if source == "zoo":
         path, sha256 = zoo.resolve_gguf(name_or_path, progress=progress, cache=cache), zoo.ZOO[name_or_path].sha256
     converted = cache / "hf" / _hf_cache_key(path, sha256)
-    tokenizer = _converted_tokenizer(path, converted / "tokenizer", progress)
-    config = _converted_config(path, converted / "config", progress) if backend == "torch" else None
+    tokenizer = _converted(path, converted / "tokenizer", "tokenizer", progress)
+    config = _converted(path, converted / "config", "config", progress) if backend == "torch" else None
     return ModelFiles(name_or_path, "gguf", path, tokenizer, config, source)

@@ -172,6 +172,15 @@ class CrossTokenizerDrafter(Drafter):
         self.synced = [len(c) for c in self.committed]
         return logits, ids.numel() - ids.shape[0]
 
+    def _feed_drafted(self, step: torch.Tensor) -> torch.Tensor:
+        """Feed each row's last drafted token ``step [B, 1]`` (draft ids): the draft's logits ``[B, V_d]`` after it."""
+        positions = torch.tensor([[len(f)] for f in self.fed])  # [B, 1]
+        logits = self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), positions, 1)[:, -1]
+        self.calls += 1
+        for fed, token in zip(self.fed, step[:, 0].tolist()):
+            fed.append(token)
+        return logits
+
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
         """The text of each row's drafted tokens ``[B, n]``, as a suffix of the text of its ``contexts`` (the last
         draft tokens before them)."""
@@ -199,13 +208,7 @@ class CrossTokenizerDrafter(Drafter):
         contexts = [f[-TEXT_WINDOW:] for f in self.fed]  # the end of the committed text, in draft tokens
         drafted = [logits.argmax(dim=-1)]  # [B] each
         for _ in range(k + self.extra_draft_tokens - 1):
-            step = drafted[-1][:, None]  # [B, 1]
-            positions = torch.tensor([[len(f)] for f in self.fed])  # [B, 1]
-            logits = self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), positions, 1)[:, -1, : self.draft_vocab]
-            self.calls += 1
-            for row in range(rows):
-                self.fed[row].append(int(step[row, 0]))
-            drafted.append(logits.argmax(dim=-1))
+            drafted.append(self._feed_drafted(drafted[-1][:, None])[:, : self.draft_vocab].argmax(dim=-1))
         draft_ids = torch.stack(drafted, dim=1)  # [B, k + extra]; the last one is not in the cache
         texts = self._draft_text(contexts, draft_ids)
         proposals = [self._target_tokens(row, text, k) for row, text in enumerate(texts)]

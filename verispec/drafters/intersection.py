@@ -115,12 +115,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
         choice = torch.zeros(rows, dtype=torch.long)  # [B] each row's last draft, as an index into the shared tokens
         for j in range(k):
             if j > 0:
-                step = self.draft_ids[choice][:, None]  # [B, 1] the last drafted token, in draft ids
-                positions = torch.tensor([[len(f)] for f in self.fed])  # [B, 1]
-                logits = self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), positions, 1)[:, -1]
-                self.calls += 1
-                for row in range(rows):
-                    self.fed[row].append(int(step[row, 0]))
+                logits = self._feed_drafted(self.draft_ids[choice][:, None])  # the last drafted token, in draft ids
             shared = self._shared_logits(logits)  # [B, S]
             if all_greedy:
                 choice = shared.argmax(dim=-1)  # [B] index into the shared tokens
