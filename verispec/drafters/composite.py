@@ -16,24 +16,18 @@ class CompositeDrafter(SourceDrafter):
     """A lookup (``primary``: prompt lookup, or suffix decoding) and ``fallback`` (typically a model), each
     row drafting from one of them per step, in one proposal per step.
 
-    Which one: under a ``policy.sources.SourceController`` (the decoder's controller for this drafter), the
-    batch chooses each row's source from measured costs and acceptance and calls ``propose_from``. ``propose``
-    alone uses the timing-free rule: the lookup where it finds a draft (suffix decoding: one scoring at least
-    its ``min_score``), the fallback elsewhere.
+    Which one: under a ``policy.sources.SourceController`` the batch chooses each row's source from measured
+    costs and acceptance and calls ``propose_from``; ``propose`` alone uses the timing-free rule: the lookup
+    where it finds a draft (suffix decoding: one scoring at least its ``min_score``), the fallback elsewhere.
+    Lookup rows propose the looked-up tokens (up to k) with one-hot ``draft_probs``, the law a deterministic
+    proposal is drawn from; the other rows the fallback's k tokens and distributions.
 
-    Per step: rows with a lookup match propose the looked-up tokens (up to k; deterministic, so their rows of
-    ``draft_probs`` are one-hot, which is exactly the distribution a deterministic proposal was drawn from;
-    see ``core/verify.py``); the other rows propose the fallback's k tokens with the fallback's distributions.
-
-    Cost trade-off: when *some* rows match, the fallback still drafts for the whole batch (its k passes are
-    batched anyway, and it must keep in step). When *every* row matches, the fallback is skipped for that
-    step and costs nothing; it then catches up on the committed tokens in its next proposal (one wider
-    pass), which the ``Drafter`` contract allows (``update`` after a step it did not propose in).
-
-    Keeping the fallback's cache in sync: after a step, each row's fallback drafts that coincide with the
-    committed tokens are reported to it as accepted (capped so the last committed token stays pending), the
-    rest as rejected. For rows that used the fallback this is exactly the verifier's count; for lookup rows it
-    keeps whatever the fallback had cached correctly. Output stays exact in every case: the target decides.
+    When *some* rows match, the fallback still drafts for the whole batch (its passes are batched anyway, and it
+    must keep in step); when *every* row matches it is skipped, and catches up on the committed tokens in its
+    next proposal (``update`` after a step it did not propose in is part of the ``Drafter`` contract). After a
+    step, each row's fallback drafts that coincide with the committed tokens are reported to it as accepted
+    (capped so the last committed token stays pending): the verifier's count for fallback rows, and for
+    lookup rows whatever the fallback had cached correctly. Output stays exact in every case: the target decides.
     """
 
     def __init__(self, primary: NGramDrafter | SuffixDrafter, fallback: Drafter) -> None:
@@ -102,16 +96,11 @@ class CompositeDrafter(SourceDrafter):
             return proposal
         proposal = self.fallback.propose(num_draft_tokens, uniforms, stop_below)
         batch_size, width = proposal.draft_ids.shape
-        lengths = (
-            torch.full((batch_size,), width, dtype=torch.long)
-            if proposal.draft_lengths is None
-            else proposal.draft_lengths.to("cpu", torch.long)
-        )  # [B]
+        lengths = (torch.full((batch_size,), width, dtype=torch.long) if proposal.draft_lengths is None
+                   else proposal.draft_lengths.to("cpu", torch.long).clone())  # [B]
         self._fallback_ids = [row[:n].tolist() for row, n in zip(proposal.draft_ids.cpu(), lengths.tolist())]
-        idle = [b for b, source in enumerate(sources) if source is None]
-        if idle:  # rows told to draft nothing: the fallback drafted for them too (one batched pass), unused
-            lengths = lengths.clone()
-            lengths[idle] = 0
+        # Rows told to draft nothing: the fallback drafted for them too (one batched pass), unused.
+        lengths[[b for b, source in enumerate(sources) if source is None]] = 0
         proposal.sources = names
         if not lookup:
             proposal.draft_lengths = lengths.to(proposal.draft_ids.device)
@@ -123,7 +112,6 @@ class CompositeDrafter(SourceDrafter):
         draft_probs = proposal.draft_probs  # [B, k', V] or None
         if draft_probs is not None:
             draft_probs = _pad_columns(draft_probs, width, 0.0)  # [B, width, V]
-        lengths = lengths.clone()
         for b in lookup:
             tokens = torch.tensor(found[b], dtype=torch.long, device=device)  # [n]
             draft_ids[b, : len(tokens)] = tokens
@@ -158,11 +146,8 @@ class CompositeDrafter(SourceDrafter):
         if self._fallback_ids is None:  # the fallback did not propose this step
             self.fallback.update([0] * len(new_tokens), new_tokens)
             return
-        own_accepted = [
-            min(common_prefix(drafts, tokens), len(tokens) - 1)
-            for drafts, tokens in zip(self._fallback_ids, new_tokens)
-        ]
-        self.fallback.update(own_accepted, new_tokens)
+        self.fallback.update([min(common_prefix(drafts, tokens), len(tokens) - 1)
+                              for drafts, tokens in zip(self._fallback_ids, new_tokens)], new_tokens)
         self._fallback_ids = None
 
     def select_rows(self, rows: list[int]) -> None:
@@ -177,5 +162,3 @@ def _pad_columns(values: torch.Tensor, width: int, fill: float) -> torch.Tensor:
         return values.clone()
     pad = values.new_full((values.shape[0], width - values.shape[1], *values.shape[2:]), fill)
     return torch.cat([values, pad], dim=1)
-
-
