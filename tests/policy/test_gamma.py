@@ -163,7 +163,7 @@ def test_acceptance_starts_at_the_prior_and_rows_without_drafts_teach_nothing() 
     assert estimate.acceptance == 0.7
     estimate.add(0, 0)
     assert estimate.acceptance == 0.7 and estimate.pool.counts.judged == []
-    other = estimate.for_request()
+    other = AcceptanceEstimate(estimate.pool)  # another request's estimate: nothing of its own yet, the same pool
     estimate.add(4, 4)
     assert other.pool is estimate.pool and other.counts.judged == [] and estimate.counts.judged == [1, 1, 1, 1]
     assert estimate.acceptance > other.acceptance > 0.7  # the other request starts from the pool's level

@@ -45,8 +45,6 @@ class TokenHistory(list):
     the next :meth:`counts`); any other change (``del``, assignment, ``pop``...) drops them, and the next call
     recounts the whole list, so the counts always describe the list as it is."""
 
-    counted_tokens = 0  # tokens folded into counts over this object's life (tests bound the work with it)
-
     def __init__(self, tokens: Sequence[int] = ()) -> None:
         super().__init__(tokens)
         self._counts: torch.Tensor | None = None  # [V] float32: the first ``_folded`` tokens' counts
@@ -58,21 +56,16 @@ class TokenHistory(list):
         if stale or self._folded > len(self):
             self._counts, self._folded = torch.zeros(vocab_size, dtype=torch.float32, device=device), 0
         if self._folded < len(self):
-            new = self[self._folded:]
-            self._counts += _scatter_counts([new], vocab_size)[0].to(device)
-            self.counted_tokens += len(new)
+            self._counts += _scatter_counts([self[self._folded:]], vocab_size)[0].to(device)
             self._folded = len(self)
         return self._counts
-
-    def _changed(self) -> None:
-        self._counts, self._folded = None, 0
 
 
 def _mutator(name: str):
     """``list.<name>`` that first drops the counts (appending needs no hook: counts follow the length)."""
 
     def method(self, *args, **kwargs):
-        self._changed()
+        self._counts, self._folded = None, 0
         return getattr(list, name)(self, *args, **kwargs)
     method.__name__ = name
     return method

@@ -114,10 +114,6 @@ class AcceptanceEstimate:
     counts: PositionCounts = field(default_factory=PositionCounts)
     previous_full: bool | None = None  # this request's last judged block: kept in full?
 
-    def for_request(self) -> AcceptanceEstimate:
-        """A new request's estimate: nothing of its own yet, the same pool."""
-        return AcceptanceEstimate(pool=self.pool)
-
     @property
     def acceptance(self) -> float:
         """This request's per-draft acceptance (censored geometric MLE, shrunk towards the pool's)."""
