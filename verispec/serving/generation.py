@@ -161,17 +161,16 @@ class Generation:
             if isinstance(error, ValueError):
                 raise ApiError(str(error), _param_of(str(error), p.chat), "invalid_value") from error
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
+        tokenizer, names = self.server.tokenizer, self.server.token_bytes
         for choice in self.choices:
-            choice.state = TextState(self.server.tokenizer, p.prompts[choice.prompt_index], p.stops)
+            prompt = p.prompts[choice.prompt_index]
+            choice.state = TextState(tokenizer, prompt, p.stops)
             if p.logprobs is not None:
-                choice.offsets = TextOffsets(self.server.tokenizer, self.server.token_bytes,
-                                             p.prompts[choice.prompt_index])
+                choice.offsets = TextOffsets(tokenizer, names, prompt)
             if p.tools is not None:
                 choice.tools = p.tools.parser()
             if p.provenance:
-                names = self.server.token_bytes
-                choice.provenance = ProvenanceLog(names, TextOffsets(self.server.tokenizer, names,
-                                                                     p.prompts[choice.prompt_index]))
+                choice.provenance = ProvenanceLog(names, TextOffsets(tokenizer, names, prompt))
 
     def _poster(self, index: int) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:  # runs on the engine thread (or the cancelling one)
@@ -264,11 +263,10 @@ class Generation:
         completion = sum(c.state.num_tokens for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def telemetry(self, choices: Sequence[Choice] | None = None) -> Telemetry:
-        """The ``verispec`` extension: speculative telemetry summed over ``choices`` (all by default)."""
-        summed = self.choices if choices is None else choices
-        return Telemetry.of(sum_records(c.stats or RowRecord(completion_tokens=c.received) for c in summed),
-                            choices=[self.choice_telemetry(c) for c in summed] if choices is None else None)
+    def telemetry(self) -> Telemetry:
+        """The ``verispec`` extension: speculative telemetry summed over the choices, and each choice's."""
+        return Telemetry.of(sum_records(c.stats or RowRecord(completion_tokens=c.received) for c in self.choices),
+                            mode=self.server.engine.decoder.mode, choices=[self.choice_telemetry(c) for c in self.choices])
 
     @staticmethod
     def choice_telemetry(choice: Choice) -> ChoiceTelemetry:

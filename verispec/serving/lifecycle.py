@@ -126,17 +126,14 @@ def build_app(decoder, tokenizer, *, model_name: str, max_batch_size: int = 32, 
 
 
 def serve(decoder, tokenizer, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          max_batch_size: int = 32, max_rows_per_request: int | None = None, max_context: int | None = None,
-          default_max_tokens: int | None = None, options: ServerOptions | None = None, log_level: str = "info",
-          say: Callable[[str], None] | None = None) -> int:
+          options: ServerOptions | None = None, log_level: str = "info", say: Callable[[str], None] | None = None,
+          **app_settings) -> int:
     """Serve ``decoder`` over HTTP until a signal ends it (``verispec serve`` after loading the models); returns
-    0, or 1 when a second signal cut the shutdown short. ``max_rows_per_request``: the most batch slots one HTTP
-    request's choices hold (default: half the batch)."""
+    0, or 1 when a second signal cut the shutdown short. ``app_settings``: :func:`build_app`'s (batch sizes,
+    context, default ``max_tokens``)."""
     options = options or ServerOptions()
     say = say or (lambda message: print(f"[verispec] {message}", file=sys.stderr, flush=True))
-    app, engine = build_app(decoder, tokenizer, model_name=model_name, max_batch_size=max_batch_size,
-                            max_rows_per_request=max_rows_per_request, max_context=max_context,
-                            default_max_tokens=default_max_tokens, options=options)
+    app, engine = build_app(decoder, tokenizer, model_name=model_name, options=options, **app_settings)
     context, rows = app.state.verispec.max_context, engine.max_rows_per_group
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=log_config(),
                             timeout_graceful_shutdown=FLUSH_TIMEOUT_S, http=HeaderDeadlineProtocol,
