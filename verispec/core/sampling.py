@@ -34,8 +34,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _token_id(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value <= MAX_INT
+def _int_in(value: object, low: int) -> bool:
+    """An integer (not a bool) in ``[low, MAX_INT]``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= value <= MAX_INT
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,7 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
         if math.isinf(self.temperature):
             raise ValueError("temperature must be finite")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
-                                       or not 1 <= self.top_k <= MAX_INT):
+        if self.top_k is not None and not _int_in(self.top_k, 1):
             raise ValueError(f"top_k must be an integer in [1, {MAX_INT}] or None, got {self.top_k!r}")
         if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}")
@@ -84,20 +84,19 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not (_is_number(self.repetition_penalty) and self.repetition_penalty > 0):
             raise ValueError(f"repetition_penalty must be a number > 0 (1 means none), got {self.repetition_penalty!r}")
-        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral)
-                or not 0 <= self.min_tokens <= MAX_INT):
+        if not _int_in(self.min_tokens, 0):
             raise ValueError(f"min_tokens must be an integer in [0, {MAX_INT}], got {self.min_tokens!r}")
         object.__setattr__(self, "logit_bias", _normalised_bias(self.logit_bias))
         stop_ids = tuple(self.stop_token_ids)
-        if not all(_token_id(t) for t in stop_ids):
+        if not all(_int_in(t, 0) for t in stop_ids):
             raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {list(stop_ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(sorted({int(t) for t in stop_ids})))
 
     @property
     def processed(self) -> bool:
         """Whether any history-dependent processor or bias changes the logits (``core/processors.py``)."""
-        return bool(self.grammar is not None or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or (self.min_tokens and self.stop_token_ids))
+        return bool(self.grammar is not None or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or (self.min_tokens and self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -112,7 +111,7 @@ def _normalised_bias(bias: object) -> tuple[tuple[int, float], ...]:
         raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from error
     out: dict[int, float] = {}
     for pair in pairs:
-        if len(pair) != 2 or not _token_id(pair[0]) or not _is_number(pair[1]):
+        if len(pair) != 2 or not _int_in(pair[0], 0) or not _is_number(pair[1]):
             raise ValueError(f"logit_bias must map token ids (integers >= 0) to finite numbers, got {pair!r}")
         out[int(pair[0])] = min(max(float(pair[1]), -LOGIT_BIAS_BOUND), LOGIT_BIAS_BOUND)
     return tuple(sorted(out.items()))

@@ -69,15 +69,12 @@ class ToolSetup:
     names: frozenset[str] = field(default_factory=frozenset)
 
     @property
-    def parses(self) -> bool:
-        return self.choice != "none"
-
-    @property
     def max_calls(self) -> int | None:
         return None if self.parallel and self.choice in ("auto", "required") else 1
 
     def parser(self) -> ToolCallParser | None:
-        return ToolCallParser(self.format, self.names, self.max_calls) if self.parses else None
+        """The parser of the request's output; None under ``tool_choice`` "none" (nothing is parsed)."""
+        return ToolCallParser(self.format, self.names, self.max_calls) if self.choice != "none" else None
 
 
 # ------------------------------------------------------------------------------------------- templates
