@@ -198,21 +198,24 @@ def test_llama_threads_flag_becomes_the_backends_settings() -> None:
 
 
 def test_llama_rows_follow_each_commands_batch() -> None:
-    """llama.cpp holds as many rows (a KV stream each, by default) as the command decodes at once: one for
-    ``generate`` and ``demo``, ``--max-batch-size`` for ``serve``, ``--batch-size`` for ``batch``; the per-row
-    context is the default's (4096, or 65536 cells shared out over more than 16 rows)."""
+    """llama.cpp holds as many rows as the command decodes at once: one for ``generate`` and ``demo``,
+    ``--max-batch-size`` for ``serve``, ``--batch-size`` for ``batch``; by default in one memory they share (4096
+    cells for one row, 8192 for several); with ``--bitwise`` a KV stream each (4096, or 65536 cells shared out
+    over more than 16 rows)."""
     from verispec.cli.common import llama_settings
 
     parser = build_parser()
     rows = {
-        ("generate", "--prompt", "x"): (1, 4096), ("demo",): (1, 4096), ("serve",): (32, 2048),
-        ("serve", "--max-batch-size", "8"): (8, 4096),
-        ("batch", "--input", "x.jsonl", "--output", "y.jsonl"): (16, 4096),
-        ("batch", "--input", "x.jsonl", "--output", "y.jsonl", "--batch-size", "64"): (64, 1024),
+        ("generate", "--prompt", "x"): (1, 4096, 4096), ("demo",): (1, 4096, 4096), ("serve",): (32, 8192, 2048),
+        ("serve", "--max-batch-size", "8"): (8, 8192, 4096),
+        ("batch", "--input", "x.jsonl", "--output", "y.jsonl"): (16, 8192, 4096),
+        ("batch", "--input", "x.jsonl", "--output", "y.jsonl", "--batch-size", "64"): (64, 8192, 1024),
     }
-    for argv, (count, row_ctx) in rows.items():
+    for argv, (count, shared_ctx, stream_ctx) in rows.items():
         settings = llama_settings(parser.parse_args(list(argv)))
-        assert (settings.n_seq_max, settings.streams, settings.row_ctx()) == (count, True, row_ctx), argv
+        assert (settings.n_seq_max, settings.per_row_streams(), settings.row_ctx()) == (count, False, shared_ctx)
+        bitwise = llama_settings(parser.parse_args([*argv, "--bitwise"]))
+        assert (bitwise.bitwise, bitwise.per_row_streams(), bitwise.row_ctx()) == (True, True, stream_ctx), argv
 
 
 def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
@@ -224,7 +227,8 @@ def test_llama_ctx_flag_sizes_the_kv_memory() -> None:
     parser = build_parser()
     args = parser.parse_args(["serve", "--llama-ctx", "16384"])
     assert llama_settings(args) == LlamaSettings(n_ctx=16384, n_seq_max=32)
-    assert llama_settings(args).kv_cells() == 16384 * 32
+    assert llama_settings(args).kv_cells() == 16384  # shared by the rows
+    assert llama_settings(parser.parse_args(["serve", "--llama-ctx", "16384", "--bitwise"])).kv_cells() == 16384 * 32
     both = llama_settings(parser.parse_args(["batch", "--llama-ctx", "8192", "--llama-threads", "1",
                                              "--input", "x.jsonl", "--output", "y.jsonl"]))
     assert (both.n_ctx, both.n_threads, both.repack) == (8192, 1, LlamaSettings().repack)

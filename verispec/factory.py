@@ -8,6 +8,7 @@ benchmarks measure. It assembles models, drafters, policies and the decoder, so 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import TYPE_CHECKING, Any
 
@@ -151,7 +152,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
          progress: Progress | None = None, calibrate: bool = True, backend: str = "auto",
-         llama_settings: Any = None,
+         llama_settings: Any = None, bitwise: bool | None = None,
          **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
@@ -178,6 +179,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     llama.cpp too when the target does and it is a GGUF with the target's tokenizer (``draft_quant`` does not
     apply: the file's own quantisation, llama.cpp's fast defaults, ``models.llamacpp.draft_settings``); any other
     draft model runs on torch.
+    ``bitwise``: the exactness mode. Off (the default, *exact in distribution*, the papers' guarantee): scoring
+    passes run on the backend's fastest kernels and the acceptance rule is exact on their logits; greedy output
+    equals the plain loop's but where the kernels' last bits flip a near-tie. On: every scoring pass bitwise
+    equal to one-token decoding (probed at load; where only one-token passes are, the target runs alone).
+    ``decoder.mode`` names the mode in force. None: ``llama_settings.bitwise`` where given, else off.
 
     ``decoder.generate`` stops at EOS only when given ``eos_token_id``: pass
     ``verispec.eos_token_ids(tokenizer, decoder.target_model)`` to stop where ``model.generate`` would.
@@ -201,14 +207,25 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     say(progress, f"target: {target}")
     on_llama = choose_backend(target, backend, torch_device) == "llama.cpp"
     if on_llama:
-        target_model, tokenizer = _load_llama(target, llama_settings, progress)
+        from .models.llamacpp import LlamaSettings
+
+        settings = llama_settings or LlamaSettings()
+        bitwise = settings.bitwise if bitwise is None else bitwise
+        settings = dataclasses.replace(settings, bitwise=bitwise)
+        target_model, tokenizer = _load_llama(target, settings, progress)
     else:
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)
         if fast and prepack_linears(target_model):
             say(progress, "target: linear layers pre-packed for this CPU (same dtype)")
-    if draft not in (None, "none", "ngram") and not paying_cap(backend_of(target_model).pass_cost, 1, MOST_DRAFTS):
+    bitwise = bool(bitwise)
+    backend = backend_of(target_model, bitwise)
+    if bitwise and not on_llama:
+        say(progress, f"mode bitwise: scoring passes cut to {backend.pass_cap} token"
+                      f"{'s' if backend.pass_cap != 1 else ''} (probed: the largest this build scores bitwise as "
+                      "one-token decoding)")
+    if draft not in (None, "none", "ngram") and not paying_cap(backend.pass_cost, 1, MOST_DRAFTS):
         # Its weights (and a KV stream per row) would only cost memory: the planner would never run it.
-        say(progress, f"draft: {draft} not loaded: {priced_out_reason(target_model)}")
+        say(progress, f"draft: {draft} not loaded: {priced_out_reason(backend)}")
         draft = None
     drafter, draft_model = None, None
     if draft == "ngram":
@@ -233,7 +250,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, progress)
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
-    decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, **decoder_options)
+    decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, bitwise=bitwise, **decoder_options)
     if calibrate and decoder.drafter is not None and paying_cap(decoder.pass_cost, 1, MOST_DRAFTS):
         say(progress, "calibrating: timing a few steps at draft lengths "
                       f"{', '.join(map(str, CALIBRATION_LENGTHS))} (so the first call is priced)")

@@ -77,7 +77,9 @@ def test_the_llama_cpp_model_asks_for_one_thread_and_the_loop_honours_it(monkeyp
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2)).eval()
     torch.set_num_threads(2)
-    model.host_threads = 1  # stands in for LlamaModel's attribute on a torch model the test can build in a second
+    from verispec.models.backend import TorchBackend
+
+    monkeypatch.setattr(TorchBackend, "host_threads", 1)  # stands in for LlamaModel's: a model built in a second
     SpeculativeDecoder(model, None, vocab_size=64).generate([[1, 2, 3]], max_new_tokens=3)
     assert seen and set(seen) == {1}
     assert torch.get_num_threads() == 2

@@ -43,7 +43,7 @@ def llama(tiny_gguf, request) -> LlamaModel:
     """The backend with a KV stream per row (bitwise per row in any batch), with weight repacking on and off,
     and with one memory shared by all rows (bitwise for a single row; see ``LlamaSettings``)."""
     streams, repack = request.param
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=1024 if streams else 4096, n_threads=1, repack=repack,
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=1024 if streams else 4096, n_threads=1, repack=repack,
                                                    n_seq_max=80, streams=streams))
     yield model
     model.close()
@@ -52,7 +52,7 @@ def llama(tiny_gguf, request) -> LlamaModel:
 def same_logits(llama: LlamaModel, a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equal with a stream per row; in a shared memory, equal up to the order flash attention visits a
     row's keys in (a row's new token may take a cell another row freed)."""
-    return torch.equal(a, b) if llama.settings.streams else torch.allclose(a, b, rtol=0, atol=0.05)
+    return torch.equal(a, b) if llama.settings.per_row_streams() else torch.allclose(a, b, rtol=0, atol=0.05)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +72,7 @@ def draft_gguf(draft, tmp_path_factory):
 def llama_draft(draft_gguf) -> LlamaModel:
     """The draft GGUF on llama.cpp as the factory runs one beside a target: a KV stream per row (the default),
     repacking on, passes uncut, no regime probe."""
-    model = load_llama_draft(draft_gguf, LlamaSettings(n_ctx=1024, n_threads=2, n_seq_max=80))
+    model = load_llama_draft(draft_gguf, LlamaSettings(bitwise=True, n_ctx=1024, n_threads=2, n_seq_max=80))
     yield model
     model.close()
 
@@ -116,7 +116,7 @@ def test_more_than_one_thread_caps_passes_at_one_token(tiny_gguf):
     """With flash attention on 2 threads, a one-token pass past 255 cached tokens splits its keys across the
     threads, so a wider pass equals it only by chance (the tiny model: caps of 16, 3, 2, 9 and 7 tokens at 24, 255,
     256, 300 and 600 cached tokens): the regime allows one token per pass, and says why."""
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=2))
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=2, n_seq_max=2))
     try:
         assert model.regime.cap == 1
         assert "2 threads" in model.regime.reason and "split" in model.regime.reason
@@ -132,7 +132,7 @@ def test_no_draft_is_made_where_each_drafted_token_costs_a_pass(tiny_gguf):
     from verispec.drafters import NGramDrafter
     from verispec.policy import MOST_DRAFTS, paying_cap
 
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=2))
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=512, n_threads=2, n_seq_max=2))
     try:
         assert model.pass_cap == 1
         rows = [p * 3 for p in prompts([20, 30], seed=47)]  # repeated text: prompt lookup finds drafts
@@ -156,7 +156,7 @@ def test_a_draft_model_that_cannot_pay_is_not_loaded(tiny_gguf, draft_gguf):
     from verispec.drafters import SuffixDrafter
     from verispec.factory import load
 
-    settings = LlamaSettings(n_ctx=256, n_seq_max=2, n_threads=2)
+    settings = LlamaSettings(bitwise=True, n_ctx=256, n_seq_max=2, n_threads=2)
     for draft, kind in ((str(draft_gguf), type(None)), (f"suffix+{draft_gguf}", SuffixDrafter)):
         said: list[str] = []
         decoder, _ = load(str(tiny_gguf[0]), draft, llama_settings=settings, progress=said.append)
@@ -198,7 +198,7 @@ def test_the_probe_measures_the_rows_own_layout_across_its_context(llama):
     assert regime.depths == tuple(spread[: len(regime.depths)]) and len(regime.depths) >= 2
     if regime.cap > 1:  # the probe stops early only at a cap of one token
         assert regime.depths[-1] == positions - 16 and positions // 2 in regime.depths
-    layout = "a KV stream of its own" if llama.settings.streams else "shared by up to 80 rows"
+    layout = "a KV stream of its own" if llama.settings.per_row_streams() else "shared by up to 80 rows"
     assert layout in regime.reason and f"{positions} positions" in regime.reason, regime.reason
     assert f"{regime.depths[-1]} cached tokens" in regime.reason
     assert len(llama._free_seqs) == 80 and llama.context.used_cells() == 0
@@ -209,7 +209,7 @@ def test_a_context_with_no_room_for_a_probe_gets_one_token_passes(tiny_gguf, tmp
     the probe fails closed (passes of one token, and the reason says why) instead of assuming its widest pass."""
     path = tmp_path / "short.gguf"
     write_gguf(tiny_gguf[1], path, context_length=16)
-    with LlamaModel(path, LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=2)) as model:
+    with LlamaModel(path, LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, n_seq_max=2)) as model:
         assert model.max_positions == 16
         assert (model.regime.cap, model.pass_cap, model.regime.depths) == (1, 1, ())
         assert "nothing measured" in model.regime.reason and "16 positions" in model.regime.reason
@@ -223,7 +223,7 @@ def test_a_context_shorter_than_1024_tokens_is_measured(tiny_gguf, tmp_path):
     call its widest pass probed); the cap it finds holds at its deepest block."""
     path = tmp_path / "ctx512.gguf"
     write_gguf(tiny_gguf[1], path, context_length=512)
-    with LlamaModel(path, LlamaSettings(n_ctx=1024, n_threads=1, n_seq_max=2)) as model:
+    with LlamaModel(path, LlamaSettings(bitwise=True, n_ctx=1024, n_threads=1, n_seq_max=2)) as model:
         regime = model.regime
         assert model.max_positions == 512 and regime.depths[0] == 24 and "512 positions" in regime.reason
         if regime.cap > 1:
@@ -241,8 +241,8 @@ def test_a_context_shorter_than_1024_tokens_is_measured(tiny_gguf, tmp_path):
 
 def test_repacking_narrows_the_regime(tiny_gguf):
     """The probe sees what the research measured: repacking's multi-row kernel starts at fewer rows."""
-    off = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, repack=False, n_seq_max=4))
-    on = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, repack=True, n_seq_max=4))
+    off = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, repack=False, n_seq_max=4))
+    on = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, repack=True, n_seq_max=4))
     try:
         assert on.regime.cap <= off.regime.cap
     finally:
@@ -325,7 +325,7 @@ def test_close_gives_every_sequence_back(llama, tiny_gguf):
     assert len(llama._free_seqs) == free - 1
     cache.close()
     assert len(llama._free_seqs) == free
-    with LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=2)) as model:
+    with LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, n_seq_max=2)) as model:
         assert model.context is not None
     assert model.context is None and model.model is None
     model.close()
@@ -457,7 +457,7 @@ def check_two_token_law(llama: LlamaModel, draft) -> None:
 
 
 def test_prompt_longer_than_the_context_is_a_value_error(tiny_gguf):
-    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=64, n_threads=2, n_seq_max=2))
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=64, n_threads=2, n_seq_max=2))
     try:
         decoder = SpeculativeDecoder(small)
         with pytest.raises(ValueError, match="llama.cpp context holds 64 tokens"):
@@ -467,7 +467,7 @@ def test_prompt_longer_than_the_context_is_a_value_error(tiny_gguf):
 
 
 def test_too_many_rows_is_a_clear_error(tiny_gguf):
-    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=2))
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=2, n_seq_max=2))
     try:
         cache = LlamaCache(small)
         with pytest.raises(RuntimeError, match="at most 2 rows"):
@@ -515,14 +515,14 @@ def test_factory_runs_a_gguf_draft_on_llama_cpp_beside_the_target(tiny_gguf, dra
     from verispec.factory import load
 
     # One thread: passes of several tokens are bitwise there, so a draft can pay (on two, none is even loaded).
-    settings = LlamaSettings(n_ctx=256, n_seq_max=4, n_threads=1)
+    settings = LlamaSettings(bitwise=True, n_ctx=256, n_seq_max=4, n_threads=1)
     said: list[str] = []
     decoder, tokenizer = load(str(tiny_gguf[0]), str(draft_gguf), calibrate=False, llama_settings=settings,
                               progress=said.append, num_draft_tokens=3)
     target, draft_model = decoder.target_model, decoder.drafter.model
     try:
         assert isinstance(target, LlamaModel) and isinstance(draft_model, LlamaModel)
-        assert draft_model.settings.repack and not draft_model.settings.exact and draft_model.regime is None
+        assert draft_model.settings.repack and not draft_model.settings.bitwise and draft_model.regime is None
         assert (draft_model.settings.n_ctx, draft_model.settings.n_seq_max) == (256, 4)
         assert any("on llama.cpp beside the target" in line for line in said), said
         assert not any("on torch" in line for line in said), said
@@ -600,7 +600,7 @@ def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
     from verispec import eos_token_ids
     from verispec.factory import load
 
-    settings = LlamaSettings(n_ctx=512, n_seq_max=2, streams=True)
+    settings = LlamaSettings(bitwise=True, n_ctx=512, n_seq_max=2, streams=True)
     decoder, tokenizer = load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", calibrate=False,
                               llama_settings=settings, num_draft_tokens=4)  # fixed: loaded on any thread count
     target, draft_model = decoder.target_model, decoder.drafter.model
@@ -626,7 +626,7 @@ def test_passes_cut_to_a_small_cap_stay_exact(tiny_gguf, draft):
     into 5 calls, rows split across calls: output still llama.cpp's plain greedy loop's."""
     import dataclasses
 
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=8, streams=True))
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=512, n_threads=2, n_seq_max=8, streams=True))
     try:
         model.regime = dataclasses.replace(model.regime, cap=3)
         model._pass_cost = None  # measured again, for passes cut at the cap set here
@@ -690,7 +690,7 @@ def test_a_pass_that_finds_no_cells_leaves_the_cache_as_it_was(tiny_gguf):
     the same pass once there is room scores as each row alone (up to the order of its cells)."""
     from verispec.models.cache import CacheFullError
 
-    small = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8, streams=False))
+    small = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=2, n_seq_max=4, n_batch=8, streams=False))
     try:
         filler = small.new_cache()
         filler.reset(1)
@@ -731,7 +731,7 @@ def small_pair(request, tiny_gguf, draft, draft_gguf):
     """A target whose shared memory holds 256 tokens (n_ctx=256), and the partly agreeing draft: on torch, or on
     llama.cpp with the memory the factory gives it (the target's layout)."""
     # One thread: passes of several tokens are bitwise there, so the drafts this test needs can pay.
-    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=8, streams=False))
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, n_seq_max=8, streams=False))
     on_llama = request.param == "llama.cpp-draft"
     draft_model = load_llama_draft(draft_gguf, target.settings) if on_llama else draft
     yield target, draft_model
@@ -834,7 +834,7 @@ def test_the_engine_batch_is_cut_to_the_rows_llama_cpp_holds(tiny_gguf, draft_gg
     streams keep every batched row bitwise), instead of failing to find a sequence for the third."""
     from verispec.serving.engine import Engine, EngineRequest
 
-    target = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=512, n_threads=2, n_seq_max=2))
+    target = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=512, n_threads=2, n_seq_max=2))
     draft_model = load_llama_draft(draft_gguf, target.settings)
     rows = prompts([30, 25, 40, 35, 20], seed=45)
     results = EngineResults(len(rows))
@@ -857,7 +857,7 @@ def test_filler_past_a_rows_last_cell_takes_no_cell(tiny_gguf) -> None:
     """A row near the end of its stream scores a block as wide as another row's drafts: the columns past its last
     cell are filler (its own drafts stay within its budget), so they get zero logits and no cell instead of a full
     stream; the columns within it score as the row alone, and a rollback of the block keeps the row's length right."""
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=256, n_threads=1, n_seq_max=2))
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=256, n_threads=1, n_seq_max=2))
     try:
         prompt, more = prompts([254, 4], seed=51)
         cache = model.new_cache()
@@ -889,7 +889,7 @@ def test_a_batch_job_on_a_gguf_target_holds_a_stream_for_each_row_of_a_group(tin
                         progress=False, backend="llama.cpp")
     assert (summary.written, summary.errors) == (12, 0)
     written = {row["input_index"]: row for row in map(json.loads, out.read_text().splitlines())}
-    reference = LlamaModel(tiny_gguf[0], LlamaSettings(n_seq_max=1))
+    reference = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_seq_max=1))
     try:
         for index, prompt in enumerate(rows):
             assert written[index]["tokens"] == greedy_reference(reference, prompt, 24, reference.eos_ids), index
@@ -897,18 +897,24 @@ def test_a_batch_job_on_a_gguf_target_holds_a_stream_for_each_row_of_a_group(tin
         reference.close()
 
 
-def test_the_default_kv_memory_is_a_stream_per_row_within_a_budget() -> None:
-    """By default every row has a KV stream of its own (bitwise in any batch) of 4096 tokens, unless that many
-    rows would hold more than 65536 cells: the budget is then shared out in multiples of 256 (at least 256). A
-    given ``n_ctx`` is each row's; the shared memory holds ``n_ctx`` in all."""
-    assert LlamaSettings().streams and LlamaSettings().n_seq_max == 8
-    assert [LlamaSettings(n_seq_max=n).row_ctx() for n in (1, 8, 16, 32, 48, 64, 300)] == [
+def test_the_default_kv_memory_is_shared_and_the_bitwise_mode_has_a_stream_per_row() -> None:
+    """By default (exact in distribution) one KV memory is shared by all rows, as llama-server's slots share
+    theirs: 8192 cells for several rows, 4096 for one. In the bitwise mode every row has a KV stream of its own
+    (bitwise in any batch) of 4096 tokens, unless that many rows would hold more than 65536 cells: the budget is
+    then shared out in multiples of 256 (at least 256). A given ``n_ctx`` is each stream's, or the shared memory's."""
+    default = LlamaSettings()
+    assert not default.bitwise and not default.per_row_streams() and default.n_seq_max == 8
+    assert (default.row_ctx(), default.kv_cells()) == (8192, 8192)
+    assert LlamaSettings(n_seq_max=1).kv_cells() == 4096
+    assert LlamaSettings(bitwise=True).per_row_streams()
+    assert [LlamaSettings(bitwise=True, n_seq_max=n).row_ctx() for n in (1, 8, 16, 32, 48, 64, 300)] == [
         4096, 4096, 4096, 2048, 1280, 1024, 256]
-    assert LlamaSettings(n_seq_max=32).kv_cells() == 65536
-    assert (LlamaSettings(n_ctx=1000, n_seq_max=4).kv_cells(), LlamaSettings(n_ctx=1000, n_seq_max=4).row_ctx()) == (
-        4000, 1000)
-    shared = LlamaSettings(n_seq_max=64, streams=False)
-    assert (shared.row_ctx(), shared.kv_cells()) == (4096, 4096)
+    assert LlamaSettings(bitwise=True, n_seq_max=32).kv_cells() == 65536
+    given = LlamaSettings(bitwise=True, n_ctx=1000, n_seq_max=4)
+    assert (given.kv_cells(), given.row_ctx()) == (4000, 1000)
+    shared = LlamaSettings(bitwise=True, n_seq_max=64, streams=False)
+    assert (shared.row_ctx(), shared.kv_cells()) == (8192, 8192)
+    assert LlamaSettings(n_ctx=1000, streams=True).kv_cells() == 8000
 
 
 def test_the_llama_cpp_path_never_imports_transformers_modeling(tiny_gguf) -> None:
@@ -923,7 +929,7 @@ import sys
 import verispec, verispec.cli, verispec.factory, verispec.serving.app
 from verispec.drafters import NGramDrafter, SuffixDrafter
 from verispec.models.llamacpp import LlamaModel, LlamaSettings
-model = LlamaModel(sys.argv[1], LlamaSettings(n_ctx=2048, n_threads=1, n_seq_max=1))
+model = LlamaModel(sys.argv[1], LlamaSettings(bitwise=True, n_ctx=2048, n_threads=1, n_seq_max=1))
 decoder = verispec.SpeculativeDecoder(model, None, vocab_size=model.vocab_size)
 for drafter in (NGramDrafter(), SuffixDrafter(), None):
     out = decoder.generate([[1, 2, 3, 1, 2, 3, 1, 2]], max_new_tokens=6, draft=drafter)
@@ -943,7 +949,7 @@ def test_on_two_threads_only_streams_keep_a_batched_row_bitwise(tiny_gguf, strea
     sums its keys in other parts than alone (found serving 16 clients: `benchmarks/serve_llamacpp_16/`). A KV
     stream per row keeps each row's window its own: bitwise. The shared memory is checked to be the one that
     differs, so the documented reason for ``--llama-streams`` stays true."""
-    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=2048 if streams else 4096, n_threads=2, n_seq_max=16,
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=2048 if streams else 4096, n_threads=2, n_seq_max=16,
                                                    streams=streams))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 200, size=int(rng.integers(100, 160))).tolist() for _ in range(16)]

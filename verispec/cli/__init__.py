@@ -46,18 +46,23 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
                         help="what runs the target: llama.cpp (a GGUF on llama.cpp's CPU kernels), torch, or auto "
                              "(default: llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed)")
+    parser.add_argument("--bitwise", action="store_true",
+                        help="every scoring pass bitwise equal to one-token decoding, so greedy output is the plain "
+                             "loop's token for token (probed per build; on several threads llama.cpp allows only "
+                             "one-token passes: the target runs alone). Default: exact in distribution, passes on "
+                             "the fastest kernels (greedy may differ at near-ties; docs/llamacpp.md)")
     parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
-                        help="threads for llama.cpp's kernels (default: every CPU this process may use; 1 lets drafts "
-                             "be verified exactly in passes of several tokens, docs/llamacpp.md)")
+                        help="threads for llama.cpp's kernels (default: every CPU this process may use; with "
+                             "--bitwise, 1 allows bitwise passes of several tokens, docs/llamacpp.md)")
     parser.add_argument("--llama-streams", action=argparse.BooleanOptionalAction, default=None,
-                        help="a KV stream of its own per row, --llama-ctx tokens each (the default: every row of any "
-                             "batch is bitwise llama.cpp's plain decoding); --no-llama-streams: one KV memory of "
-                             "--llama-ctx tokens shared by all rows (less memory; batched rows exact only up to "
-                             "the last bits of their logits, docs/llamacpp.md)")
+                        help="a KV stream of its own per row, --llama-ctx tokens each (the default with --bitwise: "
+                             "every row of any batch is bitwise llama.cpp's plain decoding); --no-llama-streams: one "
+                             "KV memory of --llama-ctx tokens shared by all rows, admitted by need (the default "
+                             "otherwise, as llama-server's slots)")
     parser.add_argument("--llama-ctx", type=int, default=None, metavar="N",
-                        help="llama.cpp's KV memory for each request in tokens, prompt and output (default 4096, or "
-                             "65536 shared out when more than 16 rows run at once: serve's 32 rows get 2048 each; "
-                             "about 28 KB a token for the 1.5B target)")
+                        help="llama.cpp's KV memory in tokens: shared by all rows (default 8192 when several rows "
+                             "run, else 4096), or with --llama-streams each row's (default 4096, or 65536 shared out "
+                             "when more than 16 rows run; about 28 KB a token for the 1.5B target)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-fast", dest="fast", action="store_false",

@@ -164,7 +164,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                         gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
                         draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, num_draft_tokens=gamma,
                         stop_drafting=args.stop_drafting, backend=args.backend, llama_settings=llama_settings(args),
-                        **suffix_options(args))
+                        bitwise=args.bitwise, **suffix_options(args))
     log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
@@ -196,7 +196,7 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
                       "cross_tokenizer": args.cross_tokenizer, "num_draft_tokens": gamma,
                       "stop_drafting": args.stop_drafting, "backend": args.backend,
-                      "llama_settings": llama_settings(args), **suffix_options(args)},
+                      "llama_settings": llama_settings(args), "bitwise": args.bitwise, **suffix_options(args)},
         max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
         max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,

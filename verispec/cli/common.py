@@ -33,20 +33,21 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
                     cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
                     stop_drafting=getattr(args, "stop_drafting", True), calibrate=getattr(args, "calibrate", True),
                     backend=getattr(args, "backend", "auto"), llama_settings=llama_settings(args),
-                    **suffix_options(args))
+                    bitwise=getattr(args, "bitwise", False), **suffix_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
 
 
 def llama_settings(args: argparse.Namespace):
-    """``LlamaSettings`` from ``--llama-threads``, ``--llama-ctx`` and ``--llama-streams`` / ``--no-llama-streams``
+    """``LlamaSettings`` from ``--bitwise``, ``--llama-threads``, ``--llama-ctx``, ``--llama-streams`` / ``--no-llama-streams``
     and the most rows the command decodes at once (a KV stream per row, and llama.cpp's logits buffer, are sized by
     it): ``llama_rows`` (one, for ``generate`` and ``demo``), else ``--max-batch-size`` (``serve``), else
     ``--batch-size`` (``batch``); None when the command says none of these (the backend's defaults)."""
     rows = next((value for value in (getattr(args, name, None) for name in ("llama_rows", "max_batch_size",
                                                                               "batch_size")) if value), None)
     chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None),
-              "n_seq_max": rows, "streams": getattr(args, "llama_streams", None)}
+              "n_seq_max": rows, "streams": getattr(args, "llama_streams", None),
+              "bitwise": getattr(args, "bitwise", None) or None}
     chosen = {name: value for name, value in chosen.items() if value is not None}
     if not chosen:
         return None

@@ -29,15 +29,15 @@ from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
-from ..models.cache import Room, host_threads, new_cache
+from ..models.cache import Room, host_threads
 from ..policy import RowPlan, SpeculationController, StepRecord
 from ..policy.sources import LOOKUP, SourceController, SourceDecision, SourceRow
 from ..telemetry import GenerationStats
 from .clock import PhaseClock, sync
 from .row import Row, fit_prompts, pinned_length
 
-if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
-    from transformers import PreTrainedModel
+if TYPE_CHECKING:
+    from ..models.backend import TargetBackend
 
 
 class DecodeBatch:
@@ -49,12 +49,12 @@ class DecodeBatch:
     ``SpeculativeDecoder.new_batch`` and ``close`` it when done (it is a context manager).
     """
 
-    def __init__(self, target_model: PreTrainedModel, drafter: Drafter | None, *, vocab_size: int,
+    def __init__(self, target: TargetBackend, drafter: Drafter | None, *, vocab_size: int,
                  controller: SpeculationController | None = None, stats: GenerationStats | None = None,
                  stop_drafting: bool = False, model_lock: AbstractContextManager | None = None,
                  on_close: Callable[[], None] | None = None) -> None:
-        self.target = new_cache(target_model)  # a CachedLM, or the llama.cpp backend's cache
-        self.target_model = target_model
+        self.backend = target
+        self.target = target.new_cache()  # a CachedLM, or the llama.cpp backend's cache
         self.target.reset(0)
         self.drafter, self.stop_drafting = drafter, stop_drafting
         self.controller = controller if drafter is not None else None  # the cap on every step's draft length
@@ -114,7 +114,7 @@ class DecodeBatch:
             if not rows:
                 return
             prompts = [row.prompt for row in rows]
-            fresh = new_cache(self.target.model)
+            fresh = self.backend.new_cache()
             try:
                 fresh.reset(len(rows))
                 if fresh.prefill(prompts):
@@ -281,10 +281,10 @@ class DecodeBatch:
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
             lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
-            with host_threads(self.target_model):
+            with host_threads(self.backend):
                 # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
                 target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
-        with host_threads(self.target_model):
+        with host_threads(self.backend):
             return ended + self._finish_step(rows, proposal, lengths, target_logits, uniforms, gamma, row_gammas,
                                              plan, catch_up_fed, catch_up_seconds, step_start, waited)
 

@@ -142,10 +142,13 @@ class _DrafterLeases:
 class SpeculativeDecoder:
     """Decode with ``target_model`` faster, using a draft, without changing what it outputs.
 
-    Greedy (temperature 0): the output equals the target's own greedy decoding token for token, up to
+    Sampling: each token is distributed exactly as plain sampling from the target's logits with the same
+    temperature / top-k / top-p (modified rejection sampling). Greedy (temperature 0), in the default mode
+    (exact in distribution, ``models.backend``): the target's own greedy decoding token for token, up to
     floating-point differences between scoring k+1 tokens in one pass and one at a time (which can flip a
-    near-tie between the top two logits). Sampling: each token is distributed exactly as plain sampling from
-    the target with the same temperature / top-k / top-p (modified rejection sampling).
+    near-tie between the top two logits); with ``bitwise=True`` every pass is bitwise one-token decoding, so
+    greedy output is the plain loop's (where this build's kernels allow only one-token passes, the target runs
+    alone).
 
     Both models are put in eval mode. Every batch (each ``generate`` call, an ``Engine``'s running batch) has
     caches and drafter state of its own, so calls may overlap, e.g. ``generate`` while an engine serves.
@@ -161,6 +164,7 @@ class SpeculativeDecoder:
         vocab_size: int | None = None,
         stop_drafting: bool = True,
         verification: str = "token",
+        bitwise: bool | None = None,
     ) -> None:
         self.verification = check_verification(verification)  # sampled drafts: "block" or "token" verification
         self.gamma_policy = make_gamma_policy(num_draft_tokens)
@@ -176,7 +180,7 @@ class SpeculativeDecoder:
         self.num_draft_tokens = num_draft_tokens
         self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches
         self._leases = _DrafterLeases()
-        self.target = backend_of(target_model)  # what the loop reads of the target: the backend contract
+        self.target = backend_of(target_model, bitwise)  # what the loop reads of the target: the backend contract
         if self.drafter is not None:  # measured now, not inside a step: the first pass of a shape is slow
             self.pass_cost(1, 1)
         # One speculation controller per drafter, living as long as the decoder: the engine's batches and
@@ -190,6 +194,11 @@ class SpeculativeDecoder:
         it (once, on first use, under the model lock: ``models/pass_cost.py``). The draft planner's input."""
         with self.model_lock:
             return self.target.pass_cost(width, rows)
+
+    @property
+    def mode(self) -> str:
+        """The exactness mode in force: ``"exact-in-distribution"`` (the default) or ``"bitwise"``."""
+        return self.target.mode
 
     def close(self) -> None:
         """Free the models' memory now: the target's and a draft model's (llama.cpp's weights and contexts; a torch
@@ -277,7 +286,7 @@ class SpeculativeDecoder:
             if drafter is not None:
                 drafter = self._leases.acquire(drafter)
             return DecodeBatch(
-                self.target_model, drafter, vocab_size=(limits or self.limits).vocab_size,
+                self.target, drafter, vocab_size=(limits or self.limits).vocab_size,
                 controller=controller if controller is not None else self.controller,
                 stats=stats if stats is not None else GenerationStats(num_draft_tokens=self.gamma_policy.name),
                 stop_drafting=self.stop_drafting if stop_drafting is None else stop_drafting,

@@ -14,11 +14,22 @@ what it is (``hasattr``) or how it is built.
 - ``pass_cost(width, rows)``: seconds of a scoring pass of that shape, measured on this machine
   (``models/pass_cost.py``), the draft planner's input;
 - ``host_threads``: torch threads for the loop's own work around a pass (None: torch's setting);
+- ``mode`` and ``pass_cap``: the exactness mode in force (``MODES``) and, in the bitwise mode, the most tokens one
+  kernel call scores (the probed batch-invariant size; None: passes are whole);
 - ``close()``: frees the weights (a context manager too).
+
+The two modes. The default, *exact in distribution* (the papers' guarantee): passes run whole on the backend's
+fastest kernels and the acceptance rule is exact on the logits they return, so sampled tokens follow the target's
+law on them and greedy output equals the plain loop's except where the kernels' last bits flip a near-tie. The
+opt-in *bitwise* mode: each pass is cut into calls of at most ``pass_cap`` tokens (all rows together), the largest
+call this build's kernels score bitwise as one-token decoding, probed at load; where that is one token, the
+planner finds no draft pays and the target runs alone.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import torch
@@ -29,6 +40,12 @@ from .pass_cost import torch_pass_cost
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+IN_DISTRIBUTION = "exact-in-distribution"  # the default (see the module)
+BITWISE = "bitwise"  # opt-in
+MODES = (IN_DISTRIBUTION, BITWISE)
+PROBE_MOST = 16  # the widest call the torch bitwise probe tries
+PROBE_DEPTHS = (5, 37)  # cached tokens before its block
+
 
 @runtime_checkable
 class TargetBackend(Protocol):
@@ -36,6 +53,10 @@ class TargetBackend(Protocol):
 
     device: torch.device
     host_threads: int | None
+    pass_cap: int | None
+
+    @property
+    def mode(self) -> str: ...
 
     @property
     def vocab_size(self) -> int: ...
@@ -65,10 +86,15 @@ class TorchBackend:
     host_threads = None  # the loop's host work runs on torch's own setting
     max_rows = None  # rows are bounded by memory only
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, bitwise: bool = False) -> None:
         self.model = model
         self.device = next(model.parameters()).device
         self._positions = position_limit(model)
+        self.pass_cap = torch_bitwise_cap(model) if bitwise else None
+
+    @property
+    def mode(self) -> str:
+        return IN_DISTRIBUTION if self.pass_cap is None else BITWISE
 
     @property
     def vocab_size(self) -> int:
@@ -89,10 +115,11 @@ class TorchBackend:
     def new_cache(self):
         from .cache import CachedLM
 
-        return CachedLM(self.model)
+        return CachedLM(self.model, pass_cap=self.pass_cap)
 
     def pass_cost(self, width: int, rows: int = 1) -> float:
-        return torch_pass_cost(self.model)(width, rows)
+        curve = torch_pass_cost(self.model)
+        return (curve if self.pass_cap is None else replace(curve, per_call=self.pass_cap))(width, rows)
 
     def close(self) -> None:
         """Nothing to free by hand: torch frees the weights with the last reference."""
@@ -104,13 +131,17 @@ class TorchBackend:
         self.close()
 
 
-def backend_of(model: object) -> TargetBackend:
-    """``model`` behind the backend contract: a backend's own model (llama.cpp's ``LlamaModel``) as it is, a torch
-    module wrapped in a ``TorchBackend``. ``TypeError`` for anything else."""
+def backend_of(model: object, bitwise: bool | None = None) -> TargetBackend:
+    """``model`` behind the backend contract: a backend's own model (llama.cpp's ``LlamaModel``, whose mode was
+    chosen at load: ``ValueError`` if ``bitwise`` asks the other) as it is, a torch module wrapped in a
+    ``TorchBackend`` in the mode asked (default: exact in distribution). ``TypeError`` for anything else."""
     if isinstance(model, TargetBackend):
+        if bitwise is not None and (model.mode == BITWISE) != bitwise:
+            raise ValueError(f"this model was loaded in the {model.mode} mode; load it again with "
+                             f"bitwise={bitwise} (LlamaSettings(bitwise=...))")
         return model
     if isinstance(model, torch.nn.Module):
-        return TorchBackend(model)
+        return TorchBackend(model, bool(bitwise))
     raise TypeError(f"not a model verispec can run: {type(model).__name__} (a transformers causal LM or a "
                     "LlamaModel)")
 
@@ -124,3 +155,41 @@ def is_model(obj: object) -> bool:
     from transformers import PreTrainedModel  # here, not at import: its modeling module costs ~120 MB
 
     return isinstance(obj, PreTrainedModel)
+
+
+_CAPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
+    """The largest call (tokens, one row) whose logits equal one-token decoding bitwise on this build, device and
+    thread count: after ``PROBE_DEPTHS`` cached tokens, a block of n random tokens in one call against the same
+    tokens one at a time, n = 1, 2, ... up to the first that differs; the smallest over the depths. Fails closed
+    (1: one-token calls, the plain loop's own). Probed once per model."""
+    cap = _CAPS.get(model)
+    if cap is not None:
+        return cap
+    from .cache import CachedLM
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    cap = most
+    for depth in PROBE_DEPTHS:
+        tokens = torch.randint(vocab, (1, depth + most), generator=generator)  # [1, depth + most]
+        cache = CachedLM(model)
+        cache.reset(1)
+
+        def score(start: int, stop: int) -> torch.Tensor:  # [1, stop - start, V]
+            return cache.forward(tokens[:, start:stop], torch.ones(1, stop - start, dtype=torch.bool),
+                                 torch.arange(start, stop)[None])
+
+        score(0, depth)
+        single = torch.cat([score(depth + i, depth + i + 1) for i in range(cap)], dim=1)  # [1, cap, V]
+        for n in range(2, cap + 1):
+            cache.rollback([depth])
+            if not torch.equal(score(depth, depth + n), single[:, :n]):
+                cap = n - 1
+                break
+        cache.close()
+    _CAPS[model] = cap
+    return cap

@@ -107,10 +107,13 @@ class CachedLM:
     compact_ratio = 1.5
     compact_slack = 8  # ...plus this many, so short caches are not gathered every step
 
-    def __init__(self, model: PreTrainedModel, check: bool = True) -> None:
+    def __init__(self, model: PreTrainedModel, check: bool = True, pass_cap: int | None = None) -> None:
         """``check``: refuse (``UnsupportedModelError``, a ``ValueError``) a model this adapter cannot roll back
-        exactly; the first check of a model runs it once on a few tokens (remembered per model)."""
+        exactly; the first check of a model runs it once on a few tokens (remembered per model). ``pass_cap``
+        (the bitwise mode, ``models.backend``): a scoring pass is cut into calls of at most that many tokens, all
+        rows together (one column at a time when the rows alone exceed it)."""
         self.model = model
+        self.pass_cap = pass_cap
         self.device = model_device(model)
         self.cache = DynamicCache(config=model.config)
         if check:
@@ -171,6 +174,18 @@ class CachedLM:
         need them, so only filler columns get there (a row drafting fewer tokens than the batch's block, near
         the end of its context); clamped, a filler column can neither index past a learned position table
         nor switch a length-dependent rotary scaling (longrope) for every row of the pass."""
+        step = max(1, self.pass_cap // input_ids.shape[0]) if self.pass_cap else input_ids.shape[1]
+        if input_ids.shape[1] > step:  # the bitwise mode: calls the kernels score as one-token decoding
+            logits = torch.cat([self._call(input_ids[:, i:i + step], input_mask[:, i:i + step],
+                                           position_ids[:, i:i + step], 0)
+                                for i in range(0, input_ids.shape[1], step)], dim=1)  # [B, n, V]
+            return logits[:, -num_logits:] if num_logits else logits
+        return self._call(input_ids, input_mask, position_ids, num_logits)
+
+    @torch.inference_mode()
+    def _call(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
+              num_logits: int | None) -> torch.Tensor:
+        """One model call of ``forward``."""
         if self._last_position is not None:
             position_ids = position_ids.clamp(max=self._last_position)
         self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
@@ -190,7 +205,7 @@ class CachedLM:
         ids, mask = left_pad([p[:-1] for p in prompts])  # [B, T-1]
         if ids.shape[1] == 0:
             return False
-        self.forward(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
+        self._call(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
         return True
 
     @torch.inference_mode()

@@ -6,8 +6,9 @@ block of k+1 tokens can round differently from one-token decoding (measured: pas
 with weight repacking on, 1-7 with repacking off and flash attention on), and with more than one thread its flash
 attention computes a single query past 255 cached tokens in another order (``PROBE_DEPTHS``). ``probe_regime``
 measures, once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build,
-CPU and thread count, in the model's own KV layout at depths across a row's context; ``llamacpp.LlamaCache`` cuts
-every scoring pass into calls of at most that many tokens. Where nothing can be measured, passes are one token.
+CPU and thread count, in the model's own KV layout at depths across a row's context; in the bitwise mode
+``llamacpp.LlamaCache`` cuts every scoring pass into calls of at most that many tokens (where nothing can be
+measured, one token). The default mode neither probes nor cuts: its passes are llama.cpp's fastest.
 ``greedy_reference`` is llama.cpp's plain greedy loop, the reference the backend's greedy output equals.
 
 llama-cpp-python is imported only when a context is made, so this module imports without it.
@@ -65,19 +66,19 @@ KV_BUDGET = 65536  # ... unless that many rows would hold more cells than this: 
 
 @dataclass(frozen=True)
 class LlamaSettings:
-    """How a GGUF is run. ``repack``: llama.cpp's runtime weight repacking, llama.cpp's own default (one-token
-    passes ~1.15-1.3x faster on K-quants; only passes of <= 3 rows are batch-invariant, against <= 7 without it,
-    but a scoring pass costs ~0.6 of a one-token pass per extra token either way on a CPU, so the longer exact
-    drafts buy no more: ``benchmarks/llamacpp/pass_cost.py``); ``flash_attn``: flash attention (off, the
-    attention is batch-variant from 2 rows); ``n_seq_max``: most rows at once; ``n_ctx``: the KV cells a row may
-    use, its longest sequence (None: ``row_ctx``'s default); ``exact``: cut scoring passes to the probed invariant
-    size; ``streams`` (the default): a KV stream of its own per row (``n_ctx`` cells each, ``n_seq_max`` times the
-    memory); off, one memory of ``n_ctx`` cells shared by all rows (less memory, but batched rows are exact only
-    up to the last bits of their logits). Flash attention sums a row's keys in the order of their cells, and on
-    more than one thread splits the KV window across the threads: in a shared memory a row's new token can land
-    in a cell another row's rollback freed, before its older keys, and its window spans every row's cells, which
-    changes the last bits of its logits. A stream per row keeps each row's cells in position order and its window
-    its own: every row of any batch is bitwise llama.cpp's plain decoding."""
+    """How a GGUF is run. ``bitwise`` (off by default): every scoring pass bitwise equal to one-token decoding,
+    cut to the probed invariant size (``probe_regime``; on several threads that is one token, so the target runs
+    alone); off, passes are whole and the logits are those of llama.cpp's fastest kernels, the acceptance rule
+    exact on them (docs/llamacpp.md: the two modes). ``repack``: llama.cpp's runtime weight repacking, its own
+    default (one-token passes ~1.15-1.3x faster on K-quants); ``flash_attn``: flash attention (off, the attention
+    is batch-variant from 2 rows); ``n_seq_max``: most rows at once; ``n_ctx``: the KV cells of a row's stream, or
+    of the shared memory (None: ``row_ctx``'s default); ``streams``: a KV stream of its own per row (``n_ctx``
+    cells each, ``n_seq_max`` times the memory; None: on in the bitwise mode only), else one memory of ``n_ctx``
+    cells shared by all rows, as llama-server's slots share theirs. Flash attention sums a row's keys in the order
+    of their cells and on more than one thread splits the KV window across the threads: in a shared memory a
+    row's new token can land in a cell another row's rollback freed, and its window spans every row's cells,
+    which changes the last bits of its logits. A stream per row keeps each row's cells in position order and its
+    window its own: every row of any batch is bitwise llama.cpp's plain decoding."""
 
     n_ctx: int | None = None
     n_threads: int | None = None  # None: the CPUs this process may run on
@@ -85,24 +86,29 @@ class LlamaSettings:
     flash_attn: bool = True
     n_seq_max: int = 8
     n_batch: int = 512
-    exact: bool = True
-    streams: bool = True
+    bitwise: bool = False
+    streams: bool | None = None
 
     def threads(self) -> int:
         return self.n_threads or len(os.sched_getaffinity(0))
 
+    def per_row_streams(self) -> bool:
+        """A KV stream per row: as asked, else in the bitwise mode only."""
+        return self.bitwise if self.streams is None else self.streams
+
     def row_ctx(self) -> int:
-        """A row's KV cells: ``n_ctx``, else 4096, or with streams ``KV_BUDGET`` shared out when more than 16
-        rows would hold more (a multiple of 256, at least 256: serving 32 rows gives each 2048)."""
+        """A row's KV cells: ``n_ctx``, else 4096 (a shared memory of several rows: twice that, shared by need),
+        or with streams ``KV_BUDGET`` shared out when more than 16 rows would hold more (a multiple of 256, at
+        least 256: serving 32 rows gives each 2048)."""
         if self.n_ctx is not None:
             return self.n_ctx
-        if not self.streams:
-            return DEFAULT_ROW_CTX
+        if not self.per_row_streams():
+            return DEFAULT_ROW_CTX * (2 if self.n_seq_max > 1 else 1)
         return max(256, min(DEFAULT_ROW_CTX, KV_BUDGET // self.n_seq_max // 256 * 256))
 
     def kv_cells(self) -> int:
         """The KV memory's cells in all (a stream per row: ``row_ctx`` each)."""
-        return self.row_ctx() * (self.n_seq_max if self.streams else 1)
+        return self.row_ctx() * (self.n_seq_max if self.per_row_streams() else 1)
 
 
 @dataclass(frozen=True)
@@ -229,7 +235,7 @@ def probe_depths(positions: int, block: int) -> list[int]:
 def _layout(model: LlamaModel) -> str:
     """The KV layout a probe measures, in words (for its reason)."""
     s = model.settings
-    memory = (f"a KV stream of its own ({model.context.cells} cells)" if s.streams else
+    memory = (f"a KV stream of its own ({model.context.cells} cells)" if s.per_row_streams() else
               f"one KV memory of {model.context.cells} cells shared by up to {s.n_seq_max} rows")
     threads = f"{s.threads()} thread{'s' if s.threads() != 1 else ''}"
     return f"a row of {model.max_positions} positions in {memory}, {threads}"

@@ -16,16 +16,22 @@ every batch, one sequence id per row (by default a KV stream of its own per sequ
 Both are closed explicitly (``close()``, or ``with``), never by the garbage collector: a cache that a failed step's
 traceback still refers to has given its sequences back once its owner closed it.
 
-Exactness (``llama_context``: the binding's settings, contexts and the regime probe). ``probe_regime`` measures,
-once per model load, the largest pass whose logits equal one-at-a-time decoding bitwise on this build, CPU and
-thread count, and every scoring pass is cut into ``llama_decode`` calls of at most that many tokens. A prompt is evaluated as
-llama.cpp's own generation loop evaluates it: the whole prompt of one row in one call (``n_batch`` tokens at a
-time), so its cache is the one ``greedy_reference`` (llama.cpp's plain greedy loop) builds. Greedy output is
-therefore token-identical to llama.cpp's plain greedy decoding of the same file with the same settings
-(tested); sampling is exact in law, since verispec's warpers and verifier run on these logits.
+Exactness (``llama_context``: the binding's settings, contexts and the regime probe), in two modes:
 
-A draft model may run here too (``load_llama_draft``): with passes uncut (``exact=False``) and weight repacking
-on, llama.cpp's fast defaults, since the target verifies every token it proposes.
+- default, *exact in distribution*: every row's tokens of a step go to llama.cpp in one ``llama_decode`` call
+  (all rows together, up to ``n_batch`` tokens), on its fastest kernels; the acceptance rule is exact on the logits
+  that call returns, so sampling follows the target's law on them, and greedy output equals the plain loop's
+  except where the kernels' last bits flip a near-tie (measured: ``benchmarks/llamacpp/identity.py``);
+- ``bitwise``: ``probe_regime`` measures at load the largest pass whose logits equal one-at-a-time decoding bitwise
+  on this build, CPU and thread count, and every scoring pass is cut into calls of at most that many tokens:
+  greedy output is token-identical to llama.cpp's plain greedy decoding of the same file (tested).
+
+A prompt is evaluated as llama.cpp's own generation loop evaluates it: the whole prompt of one row in one call
+(``n_batch`` tokens at a time), so its cache is the one ``greedy_reference`` (llama.cpp's plain greedy loop)
+builds.
+
+A draft model may run here too (``load_llama_draft``): in the default mode with weight repacking on, llama.cpp's
+fast defaults, since the target verifies every token it proposes.
 
 llama-cpp-python is imported only when a model is loaded, so this module imports without it.
 """
@@ -45,6 +51,7 @@ import torch
 
 from ..acquire import Progress, say
 from .cache import Room
+from .backend import BITWISE, IN_DISTRIBUTION
 from .pass_cost import PassCostCurve, measure_curve
 from .llama_context import (LLAMA_CPP_MISSING, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
                             _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
@@ -64,16 +71,16 @@ class LlamaModel:
     host_threads = 1  # torch threads for the loop's work on its logits (``models.cache.host_threads`` says why)
 
     def __init__(self, path: str | os.PathLike, settings: LlamaSettings | None = None, probe: bool = True) -> None:
-        """``probe``: measure the batch-invariance regime (``probe_regime``), which ``exact`` needs; a draft,
-        which need not be exact, skips it (``regime`` is then None)."""
+        """``probe``: a target, whose pass cost is measured at load (and, in the bitwise mode, its batch-invariance
+        regime: ``probe_regime``); a draft skips both (``regime`` is then None)."""
         problem = llama_cpp_unavailable()
         if problem is not None:
             raise ImportError(problem)
         lib = _lib()
         self.path = Path(path)
         self.settings = settings or LlamaSettings()
-        if self.settings.exact and not probe:
-            raise ValueError("exact=True cuts passes to the probed regime: load with probe=True")
+        if self.settings.bitwise and not probe:
+            raise ValueError("bitwise=True cuts passes to the probed regime: load with probe=True")
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -90,9 +97,9 @@ class LlamaModel:
             self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
             self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
             s = self.settings
-            self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.streams)
+            self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.per_row_streams())
             self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
-            self.regime = probe_regime(self) if probe else None
+            self.regime = probe_regime(self) if probe and s.bitwise else None
             self._pass_cost: PassCostCurve | None = None
             if probe:  # a target: its pass cost measured now, while every sequence is free (the planner's input)
                 self.pass_cost(1, 1)
@@ -127,8 +134,13 @@ class LlamaModel:
 
     @property
     def pass_cap(self) -> int | None:
-        """The most tokens one ``llama_decode`` scores (None: uncut, when ``exact`` is off)."""
-        return self.regime.cap if self.settings.exact and self.regime is not None else None
+        """The most tokens one ``llama_decode`` scores (None: uncut, outside the bitwise mode)."""
+        return self.regime.cap if self.regime is not None else None
+
+    @property
+    def mode(self) -> str:
+        """The exactness mode in force (``models.backend.MODES``)."""
+        return BITWISE if self.settings.bitwise else IN_DISTRIBUTION
 
     def eval(self) -> LlamaModel:
         return self
@@ -230,7 +242,7 @@ class LlamaCache:
         """How many more tokens the memory takes now, beside what every cache of this model holds (a row's
         opening token is in it already, so it counts as room); None with a KV stream per row, whose ``n_ctx``
         cells hold any request validated against ``n_ctx``."""
-        if self.model.settings.streams:
+        if self.model.settings.per_row_streams():
             return None
         with self.model.lock:
             context = self.model.context
@@ -347,27 +359,29 @@ class LlamaCache:
 
 def load_llama(path: str | os.PathLike, settings: LlamaSettings | None = None,
                progress: Progress | None = None) -> LlamaModel:
-    """A GGUF target on llama.cpp from its local file (``acquire.resolve`` finds it), its regime probed."""
+    """A GGUF target on llama.cpp from its local file (``acquire.resolve`` finds it); its load message names the
+    mode in force (and in the bitwise mode the probed regime)."""
     settings = settings or LlamaSettings()
     say(progress, f"loading {Path(path).name} on llama.cpp (repack {'on' if settings.repack else 'off'}, flash "
                   f"attention {'on' if settings.flash_attn else 'off'}, {settings.threads()} threads, "
                   f"{kv_layout(settings)})")
     model = LlamaModel(path, settings)
-    cut = "scoring passes cut to that size" if settings.exact else "passes NOT cut (exact=False)"
-    if model.pass_cap == 1:
-        cut += ("; a drafted token would cost a pass of its own, so the speculation controller ('auto') runs the "
-                "target alone (--llama-threads 1 allows longer passes)")
-    say(progress, f"llama.cpp: {model.regime.reason}; {cut}")
-    if not settings.streams and settings.n_seq_max > 1:
-        say(progress, "llama.cpp: one KV memory shared by all rows: a row alone decodes bitwise as llama.cpp's plain "
-                      "loop, rows batched together only up to the last bits of their logits (the default, "
-                      "streams=True / --llama-streams, is bitwise in any batch: a KV stream per row)")
+    if model.regime is None:
+        say(progress, "llama.cpp: mode exact-in-distribution: scoring passes on llama.cpp's fastest kernels, the "
+                      "acceptance rule exact on their logits (greedy may differ from the plain loop at near-ties; "
+                      "--bitwise for bitwise identity)")
+    else:
+        cut = "scoring passes cut to that size"
+        if model.pass_cap == 1:
+            cut += ("; a drafted token would cost a pass of its own, so the planner runs the target alone "
+                    "(--llama-threads 1 allows longer bitwise passes)")
+        say(progress, f"llama.cpp: mode bitwise: {model.regime.reason}; {cut}")
     return model
 
 
 def kv_layout(settings: LlamaSettings) -> str:
     """The KV memory in words, for the load messages."""
-    if settings.streams:
+    if settings.per_row_streams():
         rows = f"{settings.n_seq_max} row{'s' if settings.n_seq_max != 1 else ''}"
         return f"KV memory: a stream per row, {rows} x {settings.row_ctx()} tokens"
     return f"KV memory: {settings.row_ctx()} tokens shared by up to {settings.n_seq_max} rows"
@@ -377,7 +391,7 @@ def draft_settings(target: LlamaSettings) -> LlamaSettings:
     """How a draft runs beside a llama.cpp target: the target's memory layout (``n_ctx``, ``n_seq_max``,
     ``streams``: it holds the same rows, never more tokens per row) and threads, with llama.cpp's fast defaults
     (weight repacking on) and passes uncut, since the target verifies every token a draft proposes."""
-    return replace(target, repack=True, exact=False)
+    return replace(target, repack=True, bitwise=False, streams=target.per_row_streams())
 
 
 def load_llama_draft(path: str | os.PathLike, target: LlamaSettings,

@@ -110,10 +110,10 @@ def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
         return curve
 
 
-def priced_out_reason(model: object) -> str:
+def priced_out_reason(backend: object) -> str:
     """Why no draft can pay beside this target (its pass cost grows by a pass per token), for load messages."""
     why = ("every token scored costs a pass of its own here (a block of k drafts costs k + 1 passes for at most "
            "k + 1 tokens), so the planner never drafts")
-    if getattr(model, "pass_cap", None) == 1:
-        why += " (llama.cpp's bitwise regime on several threads; --llama-threads 1 allows longer passes)"
+    if backend.pass_cap == 1:
+        why += " (the bitwise mode: this build scores only one-token passes bitwise as one-token decoding)"
     return why

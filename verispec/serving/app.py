@@ -93,7 +93,7 @@ class Server:
         self.admission = Admission(options.max_queued_tokens)
         # No token covers more characters than the vocabulary's longest entry: longer text cannot fit.
         self.max_prompt_chars = max_context * max(1, max(map(len, tokenizer.get_vocab()), default=1))
-        self.metrics = Metrics(engine.metrics, lambda: self.in_flight)
+        self.metrics = Metrics(engine.metrics, lambda: self.in_flight, engine.decoder.mode)
         self._tokenizing: anyio.CapacityLimiter | None = None  # one tokenisation at a time, off the event loop
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, built on the first structured request
         self._token_bytes: TokenBytes | None = None  # built on the first request for logprobs

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ..telemetry import RowRecord
@@ -83,10 +83,14 @@ def _speculation_metrics(metrics: Mapping) -> Iterator[Metric]:
 class Metrics:
     """Every metric of one app, in its own ``CollectorRegistry`` (two apps in one process never share
     counts). ``engine_metrics()`` is the engine's snapshot (``running``, ``waiting``); ``in_flight()`` the
-    engine requests the server submitted that have not finished."""
+    engine requests the server submitted that have not finished; ``mode`` the decoder's exactness mode."""
 
-    def __init__(self, engine_metrics: Callable[[], Mapping], in_flight: Callable[[], int]) -> None:
+    def __init__(self, engine_metrics: Callable[[], Mapping], in_flight: Callable[[], int],
+                 mode: str | None = None) -> None:
         self.registry = registry = CollectorRegistry()
+        if mode is not None:
+            Info("verispec_exactness", "The exactness mode in force: exact-in-distribution (the default) or bitwise.",
+                 registry=registry).info({"mode": mode})
         self.requests = Counter("verispec_requests_total", "Engine requests finished, by status.", ["status"],
                                 registry=registry)
         self.completions = Counter(

@@ -87,6 +87,9 @@ class ChoiceTelemetry(SpeculativeStats):
 class Telemetry(SpeculativeStats):
     """Summed over the request's choices."""
 
+    mode: str | None = Field(**_OMITTED_IF_NONE, description="The exactness mode in force: 'exact-in-distribution' "
+                             "(the default) or 'bitwise' (docs/api.md).")
+
     choices: list[ChoiceTelemetry] | None = Field(**_OMITTED_IF_NONE)
 
 
