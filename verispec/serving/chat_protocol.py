@@ -6,18 +6,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-from .protocol import MAX_INT, ROLES, SamplingRequest, Text, TextPart, one_error, unsupported_parts
+from .protocol import MAX_INT, ROLES, SamplingRequest, StrictModel, Text, TextPart, one_error, unsupported_parts
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
 MAX_TOOLS = 128  # OpenAI's limit
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class FunctionDefinition(StrictModel):
     name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments object; absent: "
@@ -25,22 +23,16 @@ class FunctionDefinition(BaseModel):
     strict: bool | None = None
 
 
-class ToolDefinition(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ToolDefinition(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -56,26 +48,20 @@ def _json_object_text(text: str) -> str:
     return text
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class CalledFunction(StrictModel):
     name: Text
     arguments: Annotated[Text, AfterValidator(_json_object_text)]
 
 
-class MessageToolCall(BaseModel):
+class MessageToolCall(StrictModel):
     """A call in an assistant message of the history, as OpenAI returned it."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
 
     id: Text
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
+class ChatMessage(StrictModel):
     role: Literal[ROLES] = Field(description="system, developer (rendered as system), user, assistant or tool.")
     content: Annotated[Text | list[TextPart] | None,
                        one_error("a message's content must be a string or a list of text parts",

@@ -119,24 +119,26 @@ def unsupported_parts(value: Any) -> PydanticCustomError | None:
     return None
 
 
-class TextPart(BaseModel):
+class StrictModel(BaseModel):
+    """A part of a request body: values of the declared types only (no coercion), unknown fields ignored."""
+
     model_config = ConfigDict(strict=True)
 
+
+class TextPart(StrictModel):
     type: Literal["text"]
     text: Text
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True)
-
+class StreamOptions(StrictModel):
     include_usage: bool | None = Field(False, description="Send a last chunk with the usage of the whole request.")
 
 
 # -------------------------------------------------------------------------------------------- requests
 
 
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str | None = None
     description: str | None = None
