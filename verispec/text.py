@@ -1,14 +1,6 @@
 """Text in and out of token ids, shared by the CLI, the server and offline jobs: the one chat templating
-(``chat_prompt_ids``) and the one incremental detokeniser with stop strings.
-
-``IncrementalDecoder`` turns a token stream into text a few tokens at a time: every token decodes a short
-window (the tokens of the previous piece plus the new ones) and the new text is the window's text past the
-previous piece's text. Decoding the previous piece again is what keeps a sentencepiece word's leading space
-and a multi-byte character split over several tokens right; decoding only a window keeps the work per token
-constant, so a long completion costs linear time, and text once returned is never decoded again, so it can
-never change after it was sent.
-
-``TextState`` adds stop strings and token counting on top, for one completion choice.
+(``chat_prompt_ids``), the one incremental detokeniser (``IncrementalDecoder``, with stop strings and token
+counting for one completion choice in ``TextState``), and the token texts and offsets of logprobs.
 
 Plain Python (the tokenizer is passed in): importing this module imports neither torch nor transformers.
 """
@@ -25,6 +17,11 @@ REPLACEMENT = "\ufffd"  # what a decoder shows for bytes that are not (yet) a wh
 
 class IncrementalDecoder:
     """The text of a stream of token ids, returned piece by piece as it becomes final.
+
+    Every token decodes a short window (the tokens of the previous piece plus the new ones); the new text is the
+    window's text past the previous piece's. Decoding the previous piece again keeps a sentencepiece word's
+    leading space and a character split over several tokens right; decoding only a window keeps the work per
+    token constant; text once returned is never decoded again, so it never changes after it was sent.
 
     The concatenated pieces (``push`` for every token, then ``flush``) equal the tokenizer's decoding of
     the context and all tokens, minus the context's own text, for any tokenizer whose decoding of a token

@@ -53,11 +53,12 @@ class Request:
         """One batch row per prompt: prompt ``b`` draws from the stream ``(seed, b)`` and gets its own
         ``policy.for_row()``."""
         callbacks = on_tokens if on_tokens is not None else [None] * len(self.prompts)
-        grammar = self.sampling.grammar
+        sampling, grammar = self.sampling, self.sampling.grammar
         return [
             Row(key=key, prompt=TokenHistory(prompt),  # its counts, for the repetition penalty, made once
-                sampling=self.sampling if grammar is None else dataclasses.replace(self.sampling, grammar=grammar.fresh()), max_new_tokens=self.max_new_tokens,
-                eos_ids=self.eos_ids, generator=None if self.sampling.greedy else row_generator(self.seed, b),
+                sampling=sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar.fresh()),
+                max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
+                generator=None if self.sampling.greedy else row_generator(self.seed, b),
                 policy=policy.for_row(), on_tokens=callback, logprobs=self.logprobs)
             for b, (key, prompt, callback) in enumerate(zip(keys, self.prompts, callbacks))
         ]
@@ -88,11 +89,9 @@ def validate_request(
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     longest = max(len(p) for p in prompts)
     if limits.max_positions is not None and longest + max_new_tokens > limits.max_positions:
-        raise ValueError(
-            f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "
-            f"maximum length ({limits.max_positions})"
-            + (f": {limits.max_positions_reason}" if limits.max_positions_reason else "")
-        )
+        reason = f": {limits.max_positions_reason}" if limits.max_positions_reason else ""
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "
+                         f"maximum length ({limits.max_positions}){reason}")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                  or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {logprobs!r}")
@@ -112,11 +111,9 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, input_limit: int) -
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         if attention_mask is not None:
             if attention_mask.shape != input_ids.shape:
-                raise ValueError(
-                    f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
-                )
-            keep = attention_mask.bool().cpu()
-            prompts = [row[m].tolist() for row, m in zip(input_ids.cpu(), keep)]
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            prompts = [row[m].tolist() for row, m in zip(input_ids.cpu(), attention_mask.bool().cpu())]
         else:
             prompts = input_ids.tolist()
     else:
