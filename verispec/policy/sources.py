@@ -12,11 +12,9 @@ bucket and draft columns, per-request acceptance by draft position):
   the same columns in that step, so the row's better source is simply the one with more expected tokens.
 
 Each step, both plans' controllers choose their cap (0: the target alone) from what they measured, and the
-plan with the higher goodput (expected tokens per second at its cap) runs; so a row drafts from the lookup
-where that pays more per second than running the model, from the model where the model pays, and nothing
-where neither beats the target alone. A plan whose controller wants to look at an untimed cap competes with
-its expected goodput there. Steps without drafts are the same work whichever plan decided them, so both
-controllers learn their latency.
+plan with the higher goodput (expected tokens per second at its cap) runs, so nothing drafts where neither
+beats the target alone. A plan whose controller wants to look at an untimed cap competes with its expected
+goodput there.
 
 Rows whose tokens must not depend on timings (pinned: seeded sampled requests) keep a timing-free source: the
 lookup where the drafter is confident in it (``pinned_lookup``), else the model; a pinned row that needs the
