@@ -44,12 +44,10 @@ class SamplingParams:
     """How tokens are chosen. ``temperature`` below ``GREEDY_BELOW`` (0 included) means greedy (argmax),
     never a division by zero or an overflow.
 
-    Processors (applied to the logits before temperature, in this order; see ``core/processors.py``):
-    ``logit_bias`` (token id -> bias, clamped to [-100, 100]), ``repetition_penalty`` (transformers: every id in
-    the prompt or the output so far), ``frequency_penalty`` / ``presence_penalty`` (OpenAI: over the output so
-    far, in [-2, 2]), ``min_tokens`` (``stop_token_ids`` masked while fewer tokens were generated). Then the
-    warpers: temperature, ``top_k``, ``top_p``, ``min_p`` (transformers' order). ``logit_bias`` may be given as a
-    mapping; it is stored as sorted ``(id, bias)`` pairs so that the params stay hashable."""
+    The processors (``core/processors.py`` says what each does, and in which order) apply before the warpers:
+    temperature, ``top_k``, ``top_p``, ``min_p``. ``logit_bias`` (token id -> bias, clamped to
+    [-100, 100]) may be given as a mapping; it is stored as sorted ``(id, bias)`` pairs so the params stay
+    hashable."""
 
     temperature: float = 0.0
     top_k: int | None = None

@@ -128,7 +128,6 @@ def quantize_draft(model: nn.Module, bits: int = 8, group_size: int = 64) -> nn.
 
     ``bits=8``: torch's dynamic int8 quantisation (int8 weights, activations quantised per call).
     ``bits=4``: weight-only int4 in groups of ``group_size`` (:class:`Int4Linear`), CPU only.
-    Lossy: for drafts only. Any draft keeps the output exact, since the target decides.
     """
     if bits == 8:
         from torch.ao.quantization import quantize_dynamic
