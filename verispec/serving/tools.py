@@ -12,12 +12,9 @@ of the tools stays in ``content``); ``"none"`` still shows the tools to the temp
 speculation): one call (or, with ``parallel_tool_calls``, one or more for ``"required"``) whose ``arguments``
 follow the function's JSON schema, so they always parse and validate, unless ``max_tokens`` cuts them.
 
-Why a parser of our own: transformers' ``ResponseParser`` (``transformers.utils.chat_parsing``) changed its API
-within transformers 5 (5.0's experimental ``response_schema`` became ``response_template``; we support 5.0 on),
-raises on a malformed call (a cut or random-weight output) rather than returning its text, and keeps its
-per-family templates in its private CLI server; vLLM's and SGLang's tool parsers come only with those servers;
-the small tool-parser packages on PyPI are 0.x releases without a record. The Hermes format needs the few
-lines below.
+Why a parser of our own: transformers' ``ResponseParser`` changed its API within transformers 5 (we support 5.0
+on) and raises on a malformed call (a cut or random-weight output) rather than returning its text; vLLM's and
+SGLang's tool parsers come only with those servers; the Hermes format needs the few lines below.
 """
 
 from __future__ import annotations
