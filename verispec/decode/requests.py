@@ -64,16 +64,10 @@ class Request:
         ]
 
 
-def validate_request(
-    limits: ModelLimits,
-    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
-    sampling: SamplingParams,
-    max_new_tokens: int,
-    eos_token_id: int | Sequence[int] | None = None,
-    seed: int | None = None,
-    attention_mask: torch.Tensor | None = None,
-    logprobs: int | None = None,
-) -> Request:
+def validate_request(limits: ModelLimits, input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+                     sampling: SamplingParams, max_new_tokens: int, eos_token_id: int | Sequence[int] | None = None,
+                     seed: int | None = None, attention_mask: torch.Tensor | None = None,
+                     logprobs: int | None = None) -> Request:
     """Check a request against ``limits`` (``sampling`` checked its own settings when it was built); raise
     ``ValueError`` naming the first problem found."""
     prompts = _prompts(input_ids, attention_mask, limits.input_limit)
