@@ -91,7 +91,9 @@ def run_batch(target: str, draft: str | None = None, *, input_path: str | os.Pat
     else:
         results = _ray_results(pending, target, draft, defaults, load_options, workers, ray_address,
                                cpus_per_worker, gpus_per_worker)
-    with _progress_bar(len(rows), len(done), progress) as bar:
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(rows), initial=len(done), unit="row", desc="verispec batch", disable=not progress) as bar:
         for group_out in results:
             fresh = [row for row in group_out if row[INDEX_FIELD] not in done]
             output.append(fresh)
@@ -99,12 +101,6 @@ def run_batch(target: str, draft: str | None = None, *, input_path: str | os.Pat
             summary.errors += sum(row["finish_reason"] == "error" for row in fresh)
             bar.update(len(fresh))
     return summary
-
-
-def _progress_bar(total: int, initial: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, unit="row", desc="verispec batch", disable=not enabled)
 
 
 def _ray_available() -> bool:
