@@ -87,7 +87,7 @@ def run_verispec(args) -> dict:
     from verispec.factory import load
     from verispec.models.llamacpp import LlamaSettings, greedy_reference
 
-    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, exact=not args.inexact,
+    settings = LlamaSettings(n_ctx=args.n_ctx, n_threads=args.threads, repack=args.repack, bitwise=args.bitwise,
                              n_seq_max=1)  # one prompt at a time, as `verispec generate`
     decoders = {}
     t0 = time.perf_counter()
@@ -156,7 +156,8 @@ def run_verispec(args) -> dict:
             log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
                 + ", ".join(f"{k} {decode_rate(v):.1f} tok/s" for k, v in record.items() if isinstance(v, dict)))
             records.append(record)
-    return {"load_seconds": load_s, "regime": None if on_torch else model.regime.__dict__, "records": records,
+    return {"load_seconds": load_s, "regime": None if on_torch or model.regime is None else model.regime.__dict__,
+            "mode": base.mode, "records": records,
             "backend": f"torch {args.torch_dtype}" if on_torch else "llama.cpp",
             "prompts": [prompt_text(tokenizer, p) for p in prompts]}
 
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--repack", action=argparse.BooleanOptionalAction, default=True,
                         help="llama.cpp's weight repacking for verispec's target (the backend's default: on)")
-    parser.add_argument("--inexact", action="store_true", help="LlamaSettings(exact=False): passes not cut")
+    parser.add_argument("--bitwise", action="store_true", help="the bitwise mode (default: exact in distribution)")
     parser.add_argument("--num-draft-tokens", default="auto", type=lambda v: v if v in ("auto", "heuristic") else int(v),
                         help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")
     parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)

@@ -32,7 +32,7 @@ from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.cache import CacheFullError, model_device, new_cache
 from ..models.backend import backend_of, is_model
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
-from ..policy.controller import PassCost
+from ..policy.controller import MOST_DRAFTS, PassCost
 from ..policy.sources import SourceController
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, Row
@@ -107,8 +107,9 @@ def _model_shape(model: PreTrainedModel) -> tuple[int, int, int | None, str | No
 
 def _new_controller(drafter: object, pass_cost: PassCost) -> SpeculationController:
     """A drafter's speculation controller: a two-source drafter's chooses each row's source too."""
-    kind = SourceController if isinstance(drafter, SourceDrafter) else SpeculationController
-    return kind(pass_cost=pass_cost)
+    if isinstance(drafter, SourceDrafter):
+        return SourceController(pass_cost=pass_cost)
+    return SpeculationController(pass_cost=pass_cost, free_drafts=isinstance(drafter, Drafter) and drafter.free)
 
 
 class _DrafterLeases:
@@ -265,6 +266,9 @@ class SpeculativeDecoder:
             pinned = True
             if isinstance(policy, AutoGamma) and policy.max_gamma > 0:
                 policy = HeuristicGamma()
+        drafter = self.drafter if draft is _USE_DECODER_DRAFT else draft
+        if isinstance(policy, AutoGamma) and isinstance(drafter, Drafter) and drafter.free:
+            policy = AutoGamma(max(policy.max_gamma, MOST_DRAFTS))  # free drafts: as long as the planner finds pays
         rows = request.rows(policy, keys, on_tokens)
         controller = self.controller_for(draft)
         verification = check_verification(self.verification if verification is None else verification)

@@ -33,6 +33,9 @@ class Drafter(ABC):
 
     #: draft forward passes run so far (for telemetry)
     calls: int = 0
+    #: no model runs (a lookup): a draft costs only the target's wider pass, so the planner may draft up to
+    #: ``policy.MOST_DRAFTS`` and price every length on the pass-cost curve (``SpeculationController``)
+    free: bool = False
 
     @property
     def name(self) -> str:

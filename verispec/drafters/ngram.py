@@ -61,6 +61,8 @@ class NGramDrafter(Drafter):
     Rows without a match propose nothing that step (the target then emits one token for them).
     """
 
+    free = True
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

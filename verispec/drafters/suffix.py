@@ -227,6 +227,8 @@ class SuffixDrafter(Drafter):
     kept, all scopes together, the oldest evicted first. Forks share the responses (``trees``).
     """
 
+    free = True
+
     def __init__(self, cache_size: int = DEFAULT_CACHE_SIZE, scope: str = "global",
                  settings: SuffixSettings | None = None, *, share_sampled: bool = False,
                  trees: ResponseTrees | None = None) -> None:

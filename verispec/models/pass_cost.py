@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-MEASURED_TOKENS = (1, 2, 4, 8, 16)  # token counts timed (a block of up to 15 drafts for one row)
-REPEATS = 3  # timed passes per count, after one untimed pass; the median counts (20 passes in all at load)
+MEASURED_TOKENS = (1, 2, 4, 8, 16, 32)  # token counts timed (a block of up to 31 drafts for one row)
+REPEATS = 3  # timed passes per count, after one untimed pass; the median counts (24 passes in all at load)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ concurrent ``generate`` calls all feed it, under its lock.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from collections import Counter
@@ -162,7 +163,7 @@ class _Schedule:
     interval: int = 1
 
 
-MOST_DRAFTS = 16  # the longest block any request may ask the planner to price (a pass of 17 tokens per row)
+MOST_DRAFTS = 32  # the longest block any request may ask the planner to price (free drafts: suffix, lookup)
 PassCost = Callable[[int, int], float]  # seconds of a scoring pass of (width, rows): ``models/pass_cost.py``
 
 
@@ -186,9 +187,14 @@ class SpeculationController:
     """Chooses each step's draft cap from measured whole-step latency and per-request acceptance. Thread-safe.
 
     ``pass_cost``: the target backend's measured pass cost (``TargetBackend.pass_cost``), which prices caps not
-    yet timed and caps out drafts that cannot pay (``paying_cap``); ``clock``: the wall clock estimates age by."""
+    yet timed and caps out drafts that cannot pay (``paying_cap``); ``clock``: the wall clock estimates age by.
+    ``free_drafts``: the drafter runs no model (suffix decoding, prompt lookup), so a step costs the target's pass
+    and the loop's host work only: once a cap of a bucket is timed, every cap is priced on the pass-cost curve's
+    shape scaled to the timed steps, and any cap may be chosen (a long block can run as soon as acceptance says
+    so, not after a walk of one-cap looks)."""
 
     max_explore_interval: int = 64
+    free_drafts: bool = False
     pool: AcceptancePool = field(default_factory=AcceptancePool)
     pass_cost: PassCost | None = field(default=None, repr=False, compare=False)
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
@@ -313,6 +319,8 @@ class SpeculationController:
         # Only caps timed in this bucket can be chosen with confidence: a line through two noisy points may be
         # flat, and a cap read off it would look free.
         timed = {c for b, c in self._latency if b == bucket}
+        if timed and self.free_drafts and self.pass_cost is not None:  # priced on the measured curve (class doc)
+            timed = set(range(top + 1))
         confident = [c for c in range(1, top + 1) if max(c, pinned_columns) in timed and bounds[c][1] > alone_high]
         choice = max(confident, key=lambda c: (bounds[c][0], -c)) if confident else 0
         reason = "pays" if choice else "alone"
@@ -341,7 +349,11 @@ class SpeculationController:
         backend's pass-cost curve; with none, that curve itself (the draft's own passes not yet known)."""
         known = {c: stats.predict(rows, now) for (b, c), stats in self._latency.items() if b == bucket}
         spread = UNMEASURED_SPREAD
-        if len(known) >= 2:
+        if known and self.free_drafts and self.pass_cost is not None:  # the curve's shape, scaled to the timings
+            scale = statistics.median(m / self.pass_cost(1 + c, rows) for c, (m, _) in known.items())
+            line = lambda c: scale * self.pass_cost(1 + c, rows)  # noqa: E731
+            spread = TRANSFERRED_SPREAD
+        elif len(known) >= 2:
             xs, ys = list(known), [m for m, _ in known.values()]
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             var = sum((x - mx) ** 2 for x in xs)
