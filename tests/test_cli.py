@@ -171,18 +171,41 @@ def test_demo_labels_its_texts_on_stdout(models, capsys) -> None:
     assert code == 0, err
     lines = out.splitlines()
     labels = [line for line in lines if line.startswith("=== ")]
-    assert labels == ["=== prompt ===", "=== target alone (greedy) ===", "=== speculative (greedy, draft length 3) ===",
-                      "=== summary ==="]
+    assert labels == ["=== prompt ===", "=== plain loop (target alone, greedy) ===",
+                      "=== speculative (greedy, draft length 3) ===", "=== summary ==="]
     sections = {}
     for label, start in ((line, i) for i, line in enumerate(lines) if line in labels):
         rest = lines[start + 1:]
         sections[label] = "\n".join(rest[:next((i for i, line in enumerate(rest) if line in labels), len(rest))])
     assert sections["=== prompt ==="] == "def x ( y ) :"
-    assert sections["=== target alone (greedy) ==="].strip()
-    assert sections["=== target alone (greedy) ==="] == sections["=== speculative (greedy, draft length 3) ==="]
+    assert sections["=== plain loop (target alone, greedy) ==="].strip()
+    assert sections["=== plain loop (target alone, greedy) ==="] == sections["=== speculative (greedy, draft length 3) ==="]
     summary = json.loads(sections["=== summary ==="])
     assert summary["identical_output"] is True and 1 <= summary["tokens"] <= 6
+    assert summary["mode"] == "exact-in-distribution" and summary["drafted_tokens"] > 0
+    assert isinstance(summary["speedup"], float) and "not_drafted_because" not in summary
     assert "===" not in err  # the labels are not (also) on stderr
+
+
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_demo_prints_no_speed_up_when_nothing_was_drafted(models, capsys, bitwise) -> None:
+    """With nothing drafted the demo times the same loop twice: it prints no speed-up, says why, and names the mode
+    in force (before issue 41 it printed a "speedup" of the target alone against itself)."""
+    from types import SimpleNamespace
+
+    from verispec.models.pass_cost import priced_out_reason
+
+    flags = ["--bitwise"] if bitwise else []
+    code, out, err = run(capsys, "demo", "--target", models["target"], "--draft", "none", "--prompt", "def x ( y ) :",
+                         "--max-new-tokens", "6", *flags)
+    assert code == 0, err
+    summary = json.loads(out.split("=== summary ===", 1)[1])
+    assert summary["speedup"] is None and summary["drafted_tokens"] == 0
+    # In the bitwise mode this build's torch kernels score only one-token passes bitwise: no draft could pay.
+    assert summary["not_drafted_because"] == ("no draft (--draft none)" if not bitwise else
+                                              "no draft was loaded: " + priced_out_reason(SimpleNamespace(pass_cap=1)))
+    assert summary["mode"] == ("bitwise" if bitwise else "exact-in-distribution")
+    assert summary["identical_output"] is True
 
 
 def test_llama_threads_flag_becomes_the_backends_settings() -> None:

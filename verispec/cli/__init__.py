@@ -147,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug_arg(gen)
     gen.set_defaults(func=cmd_generate, llama_rows=1)  # one prompt: KV memory for one row
 
-    demo = sub.add_parser("demo", help="real model pair: target alone vs speculative, identical output, speed-up")
-    _add_model_args(demo, draft_default="qwen2.5-coder-0.5b")
-    demo.set_defaults(max_new_tokens=64)
-    demo.add_argument("--prompt", default=None, help="a code prompt (default: a Python function header)")
+    demo = sub.add_parser("demo", help="real models on a copy-edit: the plain loop vs speculative, timed side by "
+                                       "side, whether the outputs are identical, the speed-up where tokens were drafted")
+    _add_model_args(demo, draft_default="suffix")
+    demo.set_defaults(max_new_tokens=160)
+    demo.add_argument("--prompt", default=None, help="a code prompt, completed as it is (default: a copy-edit "
+                                                     "instruction, in the model's chat template)")
     _add_debug_arg(demo)
     demo.set_defaults(func=cmd_demo, llama_rows=1)
 
