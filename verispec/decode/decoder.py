@@ -36,6 +36,7 @@ from ..policy.controller import MOST_DRAFTS, PassCost
 from ..policy.sources import SourceController
 from ..telemetry import GenerationStats
 from .batch import DecodeBatch, Row
+from .row import Reservation
 from .clock import sync
 from .requests import ModelLimits, Request, validate_request
 
@@ -386,13 +387,17 @@ class SpeculativeDecoder:
                              verification=verification)
         stats = GenerationStats(num_draft_tokens=rows[0].policy.name)
         start = time.perf_counter()
+        waiting, memory = list(rows), Reservation(self.target.memory_cells)  # a shared memory admits by need
         with self.new_batch(drafter, self.controller_for(draft), limits=limits, stats=stats,
                             stop_drafting=stop_drafting) as batch:
-            batch.add(rows)
-            while batch.rows:
-                for row in batch.step():
+            while batch.rows or waiting:
+                batch.add(memory.take(waiting))
+                for row in batch.step() if batch.rows else ():
+                    memory.release(row)
                     if row.callback_error is not None:
                         raise row.callback_error
+                for row in [row for row, _ in memory.held.values() if row.reason is not None]:
+                    memory.release(row)  # ended on joining (nothing to generate)
         sync(self.device)
         stats.total_time_s = time.perf_counter() - start
         output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],

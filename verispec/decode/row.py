@@ -1,8 +1,10 @@
 """One sequence in the running batch (``Row``), and how a target memory of fixed size decides which rows fit.
 
-A target cache of fixed size (llama.cpp's KV memory, shared by every row in flight: ``Room``) may not hold every
-row to its end. The newest rows that do not fit end alone (reason "error", an error naming the memory); the rows
-before them go on untouched.
+A target memory of fixed size (llama.cpp's KV memory shared by every row in flight) admits rows by need
+(``Reservation``): a row joins once its cells (prompt, budget and longest draft) are free beside those of the rows
+in, and the rows that do not fit yet wait in order, so no row ends for lack of cells. Where rows join without a
+reservation (a cache given room by hand: ``Room``), the newest rows that do not fit end alone (reason "error", an
+error naming the memory) and the rows before them go on untouched.
 """
 
 from __future__ import annotations
@@ -66,6 +68,42 @@ class Row:
         self.memory_full = True
         self.fail(f"{room.memory} is full: this request did not fit beside the {ahead} rows before it (it ended "
                   f"after {len(self.output)} tokens); send fewer requests at once, or load with a larger n_ctx")
+
+
+class Reservation:
+    """Admission to a shared memory of ``cells`` (None: no fixed size, every row fits). Not thread-safe: the
+    engine holds its lock, ``generate`` has one thread."""
+
+    def __init__(self, cells: int | None) -> None:
+        self.cells = cells
+        self.held: dict[int, tuple[Row, int]] = {}  # by id: a row admitted and not released, and its cells
+
+    def need(self, row: Row) -> int:
+        """A row's cells at most: its prompt, its budget and its longest block (never more than the memory: a row
+        whose tokens fit it alone runs alone, its drafts cut to the room left)."""
+        longest = row.policy.choose(max(row.max_new_tokens - 1, 0))
+        return min(len(row.prompt) + row.max_new_tokens + longest, self.cells or 0)
+
+    def fits(self, row: Row) -> bool:
+        """Whether ``row`` joins now: its need is free beside the rows admitted (always, with none admitted)."""
+        if self.cells is None or not self.held:
+            return True
+        return sum(cells for _, cells in self.held.values()) + self.need(row) <= self.cells
+
+    def admit(self, row: Row) -> None:
+        if self.cells is not None:
+            self.held[id(row)] = (row, self.need(row))
+
+    def release(self, row: Row) -> None:
+        self.held.pop(id(row), None)
+
+    def take(self, waiting: list[Row]) -> list[Row]:
+        """The rows at the front of ``waiting`` that fit now, in order (removed from it and admitted)."""
+        taken = []
+        while waiting and self.fits(waiting[0]):
+            taken.append(waiting.pop(0))
+            self.admit(taken[-1])
+        return taken
 
 
 def fit_prompts(rows: list[Row], room: Room | None, ahead: int) -> list[Row]:

@@ -7,7 +7,8 @@ what it is (``hasattr``) or how it is built.
 
 - vocabulary and positions: ``vocab_size`` (logits per position), ``input_vocab_size`` (ids its input takes),
   ``max_positions`` and why (``max_positions_reason``);
-- capacity: ``max_rows`` (the most rows decoded at once; None: no fixed limit);
+- capacity: ``max_rows`` (the most rows decoded at once; None: no fixed limit) and ``memory_cells`` (the cells of
+  a memory all rows share, which admits rows by need: ``decode/row.py``'s ``Reservation``; None: none);
 - a cache per batch: ``new_cache()``, whose ``forward`` scores ``[B, n]`` tokens, ``rollback(lengths)`` keeps
   row b's first ``lengths[b]`` positions, ``select_rows`` / ``append_rows`` remove and add rows, ``close()`` frees
   its memory at once;
@@ -73,6 +74,9 @@ class TargetBackend(Protocol):
     @property
     def max_rows(self) -> int | None: ...
 
+    @property
+    def memory_cells(self) -> int | None: ...
+
     def new_cache(self): ...
 
     def pass_cost(self, width: int, rows: int = 1) -> float: ...
@@ -85,6 +89,7 @@ class TorchBackend:
 
     host_threads = None  # the loop's host work runs on torch's own setting
     max_rows = None  # rows are bounded by memory only
+    memory_cells = None  # each row's cache grows as it needs
 
     def __init__(self, model: PreTrainedModel, bitwise: bool = False) -> None:
         self.model = model
@@ -173,8 +178,10 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
 
     generator = torch.Generator().manual_seed(0)
     vocab = model.get_input_embeddings().weight.shape[0]
-    cap = most
-    for depth in PROBE_DEPTHS:
+    positions = position_limit(model)[0]
+    depths = [d for d in PROBE_DEPTHS if positions is None or d + most <= positions]
+    cap = most if depths else 1  # no room for a probe: one-token calls
+    for depth in depths:
         tokens = torch.randint(vocab, (1, depth + most), generator=generator)  # [1, depth + most]
         cache = CachedLM(model)
         cache.reset(1)

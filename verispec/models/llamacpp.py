@@ -122,6 +122,11 @@ class LlamaModel:
         return self.settings.n_seq_max
 
     @property
+    def memory_cells(self) -> int | None:
+        """The cells of the KV memory the rows share (None with a stream per row: each holds its own row)."""
+        return None if self.settings.per_row_streams() else self.context.cells
+
+    @property
     def max_positions(self) -> int:
         """A row's longest sequence: its cells (``LlamaSettings.row_ctx``), at most the GGUF's context length."""
         return min(self.settings.row_ctx(), self.n_ctx_train or self.settings.row_ctx())

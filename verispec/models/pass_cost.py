@@ -106,7 +106,11 @@ def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
 
-            curve = _TORCH_CURVES[model] = measure_curve(run)
+            from .capability import position_limit
+
+            positions = position_limit(model)[0]  # a pass from an empty cache holds at most this many tokens
+            counts = [n for n in MEASURED_TOKENS if positions is None or n <= positions]
+            curve = _TORCH_CURVES[model] = measure_curve(run, counts)
         return curve
 
 

@@ -12,7 +12,9 @@ callback of its own raises, the batch fails, or the engine shuts down.
 
 Fair scheduling: requests of one ``group`` (the server's HTTP request: its choices) share the batch with other
 groups. Free slots go round-robin to the waiting groups, fewest running rows first, and no group holds more
-than ``max_rows_per_group`` slots, so a request of 256 choices leaves room for a small request beside it.
+than ``max_rows_per_group`` slots, so a request of 256 choices leaves room for a small request beside it. A
+target memory all rows share (llama.cpp's KV memory) admits a request only once its cells (prompt, budget and
+longest draft) are free (``decode.row.Reservation``): the next one waits, so none ends for lack of cells.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 from ..core.sampling import SamplingParams
 from ..decode import DecodeBatch, Row, SpeculativeDecoder, validate_request
+from ..decode.row import Reservation
 from ..telemetry import GenerationStats, RowRecord
 from .events import EngineRequest, FinishEvent, RowStats, TokensEvent
 from .provenance import Block
@@ -87,6 +90,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._batch: DecodeBatch | None = None
+        self._memory = Reservation(decoder.target.memory_cells)  # a shared memory admits requests by need
         self.requests_total: dict[str, int] = {}
         self.totals = RowRecord()  # the finished rows' records summed
         self.running = 0
@@ -177,8 +181,11 @@ class Engine:
             if not open_groups:
                 break
             group = min(open_groups, key=lambda entry: entry[:2])[2]
+            if not self._memory.fits(self._waiting[group][0].row):  # it waits for cells, and the others behind it
+                break
             queue = self._waiting.pop(group)
             pending = queue.popleft()
+            self._memory.admit(pending.row)
             if queue:  # the group goes to the back of the line
                 self._waiting[group] = queue
             pending.joined = True
@@ -371,6 +378,7 @@ class Engine:
         pending = self._open.pop(row.key, None)
         if pending is None:  # already reported
             return
+        self._memory.release(row)
         if pending.joined:
             pending.joined = False
             self._group_rows[pending.group] -= 1
