@@ -200,3 +200,23 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
         cache.close()
     _CAPS[model] = cap
     return cap
+
+
+def pass_difference(backend: TargetBackend, prompt: list[int], block: list[int]) -> float:
+    """The largest |logit| difference between ``block`` scored in one pass after ``prompt`` and the same tokens
+    scored one at a time: what the kernels' last bits move between the widths the default mode runs at (the
+    bound a greedy near-tie flip stays under; ``benchmarks/llamacpp/identity.py`` publishes it)."""
+    start = len(prompt) - 1
+
+    def score(cache, tokens: list[int], first: int) -> torch.Tensor:  # [len(tokens), V]
+        ids = torch.tensor([tokens])  # [1, n]
+        return cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.arange(first, first + len(tokens))[None])[0]
+
+    with backend.new_cache() as cache:
+        cache.reset(1)
+        cache.prefill([prompt])
+        score(cache, [prompt[-1]], start)  # the prompt's last token, as a row's first step scores it
+        whole = score(cache, block, start + 1)
+        cache.rollback([start + 1])
+        single = torch.cat([score(cache, [token], start + 1 + i) for i, token in enumerate(block)])
+    return float((whole - single).abs().max())
