@@ -12,7 +12,7 @@ from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadMode
 
 from verispec import SpeculativeDecoder
 from verispec.models import capability
-from verispec.models.cache import CachedLM, left_pad, max_positions, padded_positions
+from verispec.models.cache import CachedLM, left_pad, padded_positions
 from verispec.models.capability import UnsupportedModelError, probe
 from verispec.models.fast import quantize_draft
 
@@ -229,7 +229,7 @@ def test_longrope_models_are_capped_at_the_switch() -> None:
     original_max_position_embeddings (16 here): requests up to it decode exactly (tests/families.py),
     longer ones are refused before any work, with the reason available from position_limit."""
     target = families.build("phi3-longrope")
-    assert max_positions(target) == 16 and target.config.max_position_embeddings == 96
+    assert target.config.max_position_embeddings == 96
     limit, reason = capability.position_limit(target)
     assert limit == 16 and "original_max_position_embeddings=16" in reason
     decoder = SpeculativeDecoder(target, families.build("phi3-longrope", seed=1), num_draft_tokens=3)

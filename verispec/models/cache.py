@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -69,14 +70,11 @@ def new_cache(model: PreTrainedModel, check: bool = False):
 
 @contextmanager
 def host_threads(model: object) -> Iterator[None]:
-    """``with host_threads(model):`` the loop's own tensor work around a pass of ``model`` (processors,
-    verification, bookkeeping: vocabulary-sized tensors on the host) runs on the torch threads the model asks for
-    (``model.host_threads``; ``None``: torch's setting, untouched), and the caller's setting comes back after.
-    llama.cpp's ``LlamaModel`` asks for one: its kernels run on ggml's OpenMP threads, and torch's own OpenMP
-    pool, woken for a 150k-float ``isfinite``, waits for a thread the other runtime holds (measured: 30 ms for
-    that op instead of 0.3, verispec alone 2-2.6x slower than with one torch thread). torch's OpenMP setting is
-    the calling thread's own (the engine's thread, a ``generate`` caller's), so each use saves and restores its
-    thread's."""
+    """``with host_threads(model):`` the loop's own tensor work around a pass of ``model`` (vocabulary-sized
+    tensors on the host) runs on ``model.host_threads`` torch threads (None: torch's setting, untouched); the
+    calling thread's own setting (torch's OpenMP setting is per thread) comes back after. llama.cpp's
+    ``LlamaModel`` asks for one: beside ggml's OpenMP threads, torch's pool waits for a thread the other runtime
+    holds (measured: 30 ms instead of 0.3 for a 150k-float ``isfinite``, verispec 2-2.6x slower)."""
     wanted = getattr(model, "host_threads", None)
     if wanted is None:
         yield
@@ -87,13 +85,6 @@ def host_threads(model: object) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
-
-
-def max_positions(model: PreTrainedModel) -> int | None:
-    """The longest sequence (prompt + new tokens) verispec decodes exactly with this model, if its config
-    says: the size of its position range, or less where its rotary embedding switches frequencies at a length
-    (see :func:`verispec.models.capability.position_limit`, which also gives the reason)."""
-    return position_limit(model)[0]
 
 
 class CachedLM:
@@ -118,7 +109,7 @@ class CachedLM:
         self.cache = DynamicCache(config=model.config)
         if check:
             self._check_rollback_supported()
-        limit = max_positions(model)
+        limit = position_limit(model)[0]  # the longest sequence decoded exactly, if the config says
         self._last_position = None if limit is None else limit - 1
         self.slot_mask = torch.zeros(0, 0, dtype=torch.bool, device=self.device)  # [B, S]
 
@@ -241,9 +232,7 @@ class CachedLM:
             states = _states(layer)
             if states is None:
                 continue
-            layer.keys, layer.values = (
-                torch.cat([s, s.new_zeros((*s.shape[:2], num_slots, s.shape[-1]))], dim=2) for s in states
-            )
+            layer.keys, layer.values = (torch.cat([s, _zero_slots(s, num_slots)], dim=2) for s in states)
         holes = torch.zeros(self.batch_size, num_slots, dtype=torch.bool, device=self.device)
         self.slot_mask = torch.cat([self.slot_mask, holes], dim=1)
 
@@ -269,18 +258,13 @@ class CachedLM:
             template = _states(mine) or _states(theirs)
             if template is None:  # neither side has cached anything in this layer yet
                 continue
-            keys = _left_pad_slots(_states(mine), self.batch_size, self.num_slots, width, template[0])
-            their_keys = _left_pad_slots(_states(theirs), other.batch_size, other.num_slots, width, template[0])
-            values = _left_pad_slots(_states(mine), self.batch_size, self.num_slots, width, template[1], 1)
-            their_values = _left_pad_slots(_states(theirs), other.batch_size, other.num_slots, width, template[1], 1)
+            ours = _left_pad_slots(_states(mine), self.batch_size, width, template)  # (keys, values)
+            joining = _left_pad_slots(_states(theirs), other.batch_size, width, template)
             if not mine.is_initialized:
-                mine.lazy_initialization(template[0], template[1])
-            mine.keys = torch.cat([keys, their_keys], dim=0)
-            mine.values = torch.cat([values, their_values], dim=0)
-        pad = lambda mask: torch.cat(  # noqa: E731
-            [torch.zeros(mask.shape[0], width - mask.shape[1], dtype=torch.bool, device=self.device), mask], dim=1
-        )
-        self.slot_mask = torch.cat([pad(self.slot_mask), pad(other.slot_mask.to(self.device))], dim=0)
+                mine.lazy_initialization(*template)
+            mine.keys, mine.values = (torch.cat(pair, dim=0) for pair in zip(ours, joining))
+        masks = [self.slot_mask, other.slot_mask.to(self.device)]
+        self.slot_mask = torch.cat([F.pad(mask, (width - mask.shape[1], 0)) for mask in masks], dim=0)  # left: False
 
     def _maybe_compact(self, longest: int | None = None) -> None:
         """Compact when holes make up too much of the cache; ``longest``: the fullest row's valid slots, when the
@@ -321,16 +305,18 @@ def _states(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
     return layer.keys, layer.values
 
 
-def _left_pad_slots(states, batch_size: int, num_slots: int, width: int, template: torch.Tensor,
-                    which: int = 0) -> torch.Tensor:
-    """[B, H, num_slots, D] states (or none yet) left-padded with zeros to ``width`` slots."""
-    shape = (batch_size, template.shape[1], width, template.shape[-1])
+def _zero_slots(like: torch.Tensor, num_slots: int, rows: int | None = None) -> torch.Tensor:
+    """Zero keys or values ``[rows, H, num_slots, D]`` shaped as ``like`` (its rows by default)."""
+    return like.new_zeros((like.shape[0] if rows is None else rows, like.shape[1], num_slots, like.shape[-1]))
+
+
+def _left_pad_slots(states, rows: int, width: int, template: tuple[torch.Tensor, torch.Tensor]) -> tuple:
+    """A layer's (keys, values) ``[B, H, S, D]`` left-padded with zero slots to ``width``: ``rows`` rows of zeros
+    shaped as ``template``'s when the layer holds nothing yet."""
     if states is None:
-        return template.new_zeros(shape)
-    tensor = states[which]
-    if tensor.shape[2] == width:
-        return tensor
-    return torch.cat([tensor.new_zeros((*shape[:2], width - tensor.shape[2], shape[-1])), tensor], dim=2)
+        return tuple(_zero_slots(t, width, rows) for t in template)
+    return tuple(s if s.shape[2] == width else torch.cat([_zero_slots(s, width - s.shape[2]), s], dim=2)
+                 for s in states)
 
 
 def left_pad(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
