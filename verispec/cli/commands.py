@@ -19,12 +19,10 @@ from .common import (
     check_model_args,
     check_request_args,
     encode_prompt,
-    gamma_arg,
     generate_streamed,
-    llama_settings,
+    load_options,
     log,
     read_prompt,
-    suffix_options,
 )
 
 # The demo's default: a copy-edit, the work where speculation pays (the answer copies most of its prompt).
@@ -198,16 +196,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     _check_batch_files(args.input, args.output)
     check_request_args(args, BATCH_SAMPLING)
     check_model_args(args, here=args.ray_address is None)  # a cluster's workers load from their own disks
-    gamma = gamma_arg(args.num_draft_tokens)
     defaults = JobDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                            top_k=args.top_k, seed=args.seed)
     summary = run_batch(args.target, args.draft, input_path=args.input, output_path=args.output, workers=args.workers,
                         batch_size=args.batch_size, defaults=defaults, progress=not args.no_progress,
                         ray_address=args.ray_address, cpus_per_worker=args.cpus_per_worker,
-                        gpus_per_worker=args.gpus_per_worker, device=args.device, dtype=args.dtype, fast=args.fast,
-                        draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, num_draft_tokens=gamma,
-                        stop_drafting=args.stop_drafting, backend=args.backend, llama_settings=llama_settings(args),
-                        bitwise=args.bitwise, **suffix_options(args))
+                        gpus_per_worker=args.gpus_per_worker, **load_options(args))
     log(f"{summary.written} rows written to {args.output} ({summary.skipped} were already there, "
          f"{summary.errors} errors, {summary.rows} in the input)")
     return 0
@@ -233,15 +227,11 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         raise CliError(f"--replicas and --ray-address need Ray Serve (pip install 'verispec[ray]'): {error}") from error
     from ..serving.config import default_model_name
 
-    gamma = gamma_arg(args.num_draft_tokens)
     spec = ReplicaSpec(
         target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
-        load_options={"device": args.device, "dtype": args.dtype, "fast": args.fast, "draft_quant": args.draft_quant,
-                      "cross_tokenizer": args.cross_tokenizer, "num_draft_tokens": gamma,
-                      "stop_drafting": args.stop_drafting, "backend": args.backend,
-                      "llama_settings": llama_settings(args), "bitwise": args.bitwise, **suffix_options(args)},
-        max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
-        max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
+        load_options=load_options(args), max_batch_size=args.max_batch_size,
+        max_rows_per_request=args.max_rows_per_request, max_context=args.max_context,
+        default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                       cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                       max_ongoing_requests=args.max_ongoing_requests)

@@ -26,16 +26,22 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
     from ..factory import load
     from ..models import LoadError
 
-    gamma = gamma_arg(args.num_draft_tokens)
     try:
-        return load(args.target, args.draft, device=args.device, dtype=args.dtype, fast=args.fast,
-                    draft_quant=getattr(args, "draft_quant", "int4"), progress=progress, num_draft_tokens=gamma,
-                    cross_tokenizer=getattr(args, "cross_tokenizer", "text"),
-                    stop_drafting=getattr(args, "stop_drafting", True), calibrate=getattr(args, "calibrate", True),
-                    backend=getattr(args, "backend", "auto"), llama_settings=llama_settings(args),
-                    bitwise=getattr(args, "bitwise", False), **suffix_options(args))
+        return load(args.target, args.draft, progress=progress, calibrate=getattr(args, "calibrate", True),
+                    **load_options(args))
     except LoadError as error:
         raise CliError(str(error)) from error
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """``verispec.load``'s options from the command line but the names, ``progress`` and ``calibrate`` (what
+    ``batch`` and ``serve --replicas`` pass on too); a flag the namespace lacks (a benchmark's) keeps its default."""
+    return {"device": args.device, "dtype": args.dtype, "fast": args.fast,
+            "num_draft_tokens": gamma_arg(args.num_draft_tokens), "llama_settings": llama_settings(args),
+            "draft_quant": getattr(args, "draft_quant", "int4"),
+            "cross_tokenizer": getattr(args, "cross_tokenizer", "text"),
+            "stop_drafting": getattr(args, "stop_drafting", True), "backend": getattr(args, "backend", "auto"),
+            "bitwise": getattr(args, "bitwise", False), **suffix_options(args)}
 
 
 def llama_settings(args: argparse.Namespace):
@@ -66,18 +72,9 @@ def suffix_options(args: argparse.Namespace) -> dict:
             "suffix_scope": getattr(args, "suffix_scope", None) or "global"}
 
 
-def _int_arg(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise CliError(f"--num-draft-tokens must be an integer, 'auto' or 'heuristic', got {value!r}") from None
-
-
 # The sampling flags of each command, by their ``SamplingParams`` names (``generate`` takes the same keywords).
 GENERATE_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty", "min_tokens")
-
-
 BATCH_SAMPLING = ("temperature", "top_k", "top_p")  # the defaults of rows that give none (``JobDefaults``)
 
 
@@ -111,7 +108,12 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
 
 
 def gamma_arg(value: str) -> int | str:
-    return value if value in ("auto", "heuristic") else _int_arg(value)
+    if value in ("auto", "heuristic"):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise CliError(f"--num-draft-tokens must be an integer, 'auto' or 'heuristic', got {value!r}") from None
 
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
@@ -127,32 +129,19 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     return list(ids)
 
 
-class TextStream:
-    """Writes a completion's text as its tokens arrive (``generate``'s ``on_tokens``); ``close()`` writes the
-    rest and returns the whole text. Without ``out`` it only collects the text."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int], out=None) -> None:
-        self.state, self.out = TextState(tokenizer, prompt_ids), out
-
-    def __call__(self, row: int, tokens: list[int]) -> None:
-        self._write(self.state.add(tokens))
-
-    def close(self) -> str:
-        self._write(self.state.flush())
-        return self.state.text
-
-    def _write(self, text: str) -> None:
-        if self.out is not None and text:
-            self.out.write(text)
-            self.out.flush()
-
-
 def generate_streamed(decoder, tokenizer, prompt_ids: list[int], out, **options):
     """``decoder.generate`` on one prompt, its text written to ``out`` (if given) as the tokens come; returns
     the output and the whole text."""
-    stream = TextStream(tokenizer, prompt_ids, out)
-    result = decoder.generate([prompt_ids], on_tokens=stream, **options)
-    return result, stream.close()
+    state = TextState(tokenizer, prompt_ids)
+
+    def write(text: str) -> None:
+        if out is not None and text:
+            out.write(text)
+            out.flush()
+
+    result = decoder.generate([prompt_ids], on_tokens=lambda row, tokens: write(state.add(tokens)), **options)
+    write(state.flush())
+    return result, state.text
 
 
 def read_prompt(args: argparse.Namespace) -> str:
