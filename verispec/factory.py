@@ -39,11 +39,25 @@ CROSS_TOKENIZER_METHODS = ("text", "intersection")  # how a draft with another t
 SUFFIX_OVER_MODEL_SCORE = 3.0
 
 
+# Suffix decoding guesses this many tokens past a short match's evidence where a pass of 1 + that many tokens costs
+# less than CHEAP_GUESSES times a one-token pass (benchmarks/suffix/tune.py); elsewhere it drafts its evidence only.
+GUESSED_TOKENS, CHEAP_GUESSES = 4, 1.5
+
+
 def suffix_beside_model():
     """The suffix settings of ``suffix+MODEL``'s suffix part."""
     from .drafters.suffix import SuffixSettings
 
     return SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE, max_spec_offset=0.0)
+
+
+def suffix_settings(pass_cost) -> Any:
+    """Suffix decoding's settings alone beside a target whose passes cost ``pass_cost(width, rows)``: a few guessed
+    tokens past a match where they cost little, the match's evidence only where each costs a share of a pass."""
+    from .drafters.suffix import SuffixSettings
+
+    cheap = pass_cost(1 + GUESSED_TOKENS, 1) < CHEAP_GUESSES * pass_cost(1, 1)
+    return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0)
 
 
 def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
@@ -247,7 +261,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
                           "share (exact)")
             draft_model = None
     if suffix:
-        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, progress)
+        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend.pass_cost, progress)
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, bitwise=bitwise, **decoder_options)
@@ -292,15 +306,15 @@ def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokeni
 
 
 def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
-                    progress: Progress | None) -> Any:
+                    pass_cost, progress: Progress | None) -> Any:
     """Suffix decoding, alone or (given a draft) before it: ``CompositeDrafter(suffix, draft)``."""
-    from .drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter, SuffixSettings
+    from .drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter
 
     cache_size = DEFAULT_CACHE_SIZE if cache_size is None else cache_size
     fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
     # Beside a model, suffix drafts only as long as their match (vLLM's offset 0): the offset's guesses after a
     # short match would score like a long copy and take rows from a model that is usually right.
-    settings = SuffixSettings() if fallback is None else suffix_beside_model()
+    settings = suffix_settings(pass_cost) if fallback is None else suffix_beside_model()
     suffix = SuffixDrafter(cache_size, scope, settings)
     say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
                   + ("; the model where it pays more, row by row" if fallback is not None else ""))

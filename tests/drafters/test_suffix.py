@@ -61,10 +61,10 @@ def test_proposes_what_followed_the_longest_match_in_the_rows_own_text() -> None
     assert drafter.hits == 1 and drafter.row_steps == 2 and drafter.hit_rate == 0.5
 
 
-def test_the_default_offset_lets_a_short_match_draft_four_tokens_more() -> None:
-    """The default ``max_spec_offset`` 4 (``benchmarks/suffix/tune.py``): a match of 3 tokens may draft 3 + 4; a
-    match of 1 token, 1 + 4, however long the stored continuation."""
-    drafter = SuffixDrafter()
+def test_an_offset_lets_a_short_match_draft_four_tokens_more() -> None:
+    """``max_spec_offset`` 4 (the factory's where guessed tokens cost little: ``benchmarks/suffix/tune.py``): a
+    match of 3 tokens may draft 3 + 4; a match of 1 token, 1 + 4, however long the stored continuation."""
+    drafter = SuffixDrafter(settings=SuffixSettings(max_spec_offset=4.0))
     drafter.start([[7, 1, 2, 3, 4, 5, 6, 9, 8, 8, 8, 1, 2, 3], [5, 20, 21, 22, 23, 24, 25, 26, 27, 28, 5]],
                   GREEDY, 512)
     drafts = drafter.drafts()
@@ -87,7 +87,7 @@ def test_a_longer_match_earns_a_longer_draft_and_rare_branches_end_it() -> None:
     drafter = SuffixDrafter(settings=SuffixSettings(max_spec_offset=0.0))
     assert one_row(drafter, [99] + text + [50] + text[:2], k=16) == [3, 4]  # matched 2 tokens: 2 drafted
     assert one_row(drafter, [99] + text + [50] + text[:6], k=16) == list(range(7, 13))  # matched 6: 6 drafted
-    offset = SuffixDrafter()  # the default offset 4: 2 + 4, 6 + 4
+    offset = SuffixDrafter(settings=SuffixSettings(max_spec_offset=4.0))  # offset 4: 2 + 4, 6 + 4
     assert one_row(offset, [99] + text + [50] + text[:2], k=16) == list(range(3, 9))
     assert one_row(offset, [99] + text + [50] + text[:6], k=16) == list(range(7, 17))
     # After [1, 2]: 3 three times, 8 once (estimated 0.75 / 0.25); with min_token_prob 0.5 the draft stops there.
@@ -737,3 +737,19 @@ def test_sampled_tokens_follow_the_target_law_with_lookup_and_model_rows_in_one_
             counts[tuple(tokens)] += 1
         p_value = chi2_pvalue(counts, law, min_expected=20)
         assert p_value > 1e-6, (context, p_value)
+
+
+def test_drafts_reach_as_far_as_their_evidence_unless_guesses_are_cheap() -> None:
+    """By default a continuation is at most its match long (vLLM's offset 0); the factory lets it guess 4 tokens
+    more only beside a target where a pass of 5 tokens costs under 1.5 one-token passes (a CPU torch target), not
+    where each token costs ~0.6 of a pass (llama.cpp on a CPU, measured)."""
+    from verispec.factory import suffix_settings
+    from verispec.models.pass_cost import PassCostCurve
+
+    drafter = SuffixDrafter()
+    drafter.start([[7, 1, 2, 3, 4, 5, 6, 9, 8, 8, 8, 1, 2, 3]], GREEDY, 512)
+    assert drafter.drafts()[0].token_ids == [4, 5, 6]
+    llama_cpu = PassCostCurve((1, 2, 4, 8, 16, 32), (0.028, 0.045, 0.070, 0.122, 0.135, 0.161))
+    torch_cpu = PassCostCurve((1, 2, 4, 8, 16, 32), (0.050, 0.051, 0.053, 0.058, 0.080, 0.120))
+    assert suffix_settings(llama_cpu).max_spec_offset == 0.0 and suffix_settings(torch_cpu).max_spec_offset == 4.0
+    assert SuffixSettings().max_spec_tokens == 32

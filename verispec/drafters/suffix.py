@@ -71,14 +71,17 @@ def check_scope(scope: str) -> str:
 
 @dataclass(frozen=True)
 class SuffixSettings:
-    """How a continuation is chosen and how long it may be (arctic-inference's and vLLM's defaults, but the offset)."""
+    """How a continuation is chosen and how long it may be (arctic-inference's and vLLM's defaults): a draft goes
+    only as far as its evidence (its match length, its tokens' estimated probabilities)."""
 
     max_depth: int = 64  # longest match and longest stored suffix, in tokens
-    max_spec_tokens: int = 16  # longest continuation scored (the batch cuts it to its draft length)
+    max_spec_tokens: int = 32  # longest continuation scored (vLLM's suffix method allows 32; the planner cuts it)
     max_spec_factor: float = 1.0  # a continuation is at most factor * match length + offset tokens
-    # vLLM's default offset is 0; 4 lets a short match draft a few tokens, which pays where a scoring pass of up
-    # to ~8 tokens costs what one does (a CPU torch target: benchmarks/suffix/tune.py, 2.26x -> 2.72x replayed).
-    max_spec_offset: float = 4.0
+    # vLLM's default offset is 0. An offset lets a short match guess a few tokens past its evidence, which pays
+    # only where a scoring pass of a few tokens costs what one does (a CPU torch target: benchmarks/suffix/tune.py,
+    # 2.26x -> 2.72x replayed with 4), never where each costs ~0.6 of a pass (llama.cpp on a CPU): the factory
+    # sets it from the target's measured pass cost (``factory.suffix_settings``).
+    max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # a continuation ends where its estimated probability falls below this
     min_score: float = 0.0  # ``propose`` / ``lookups`` use only a continuation scoring at least this
 
