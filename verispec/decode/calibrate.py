@@ -43,9 +43,6 @@ class Calibration:
     step_seconds: dict[int, list[float]] = field(default_factory=dict)
     tokens_per_step: dict[int, float] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        return {"seconds": self.seconds, "step_seconds": self.step_seconds, "tokens_per_step": self.tokens_per_step}
-
 
 class _Recorder(SpeculationController):
     """A controller that records each step it is shown and passes it on to ``target`` (the decoder's)."""

@@ -17,18 +17,13 @@ if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp
     from transformers import PreTrainedModel
 
 
-def _layer_count(model: PreTrainedModel) -> int | None:
-    """The decoder's layer count from its config (``num_hidden_layers``, aliased ``n_layer`` for GPT-2)."""
-    value = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
-    return value if isinstance(value, int) and value > 0 else None
-
-
 def find_decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str]:
     """Locate the decoder's stack of blocks, without knowing the model class: the ``nn.ModuleList`` with
     ``num_hidden_layers`` entries (the one holding most parameters if several do, or the largest list when
     the config names no count). Returns ``(parent module, attribute name)``, e.g. ``(model.transformer, "h")``
     for GPT-2 or ``(model.model, "layers")`` for Llama / Qwen2."""
-    count = _layer_count(model)
+    count = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)  # GPT-2's n_layer too
+    count = count if isinstance(count, int) and count > 0 else None
     candidates = [
         (sum(p.numel() for p in module.parameters()), name)
         for name, module in model.named_modules()

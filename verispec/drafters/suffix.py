@@ -220,9 +220,7 @@ class _Row:
 
 
 class SuffixDrafter(Drafter):
-    """Suffix decoding: each row proposes the best-scoring continuation of its text found in its own text
-    (prompt + output) or in its scope's earlier responses. No model: deterministic proposals (one-hot in the
-    acceptance ratio), so the output is exact, greedy or sampled.
+    """Suffix decoding (see the module): deterministic proposals, so the output is exact, greedy or sampled.
 
     ``scope`` says whose responses a row's drafts may come from: ``"global"`` (every request's), ``"key"``
     (those of requests with the same ``SamplingParams.draft_scope``, e.g. the server's API key; None is the
@@ -251,7 +249,6 @@ class SuffixDrafter(Drafter):
         self.row_steps = 0  # telemetry: rows consulted (once per step each)
         self.hits = 0  # ... that had a continuation to propose
         self.response_hits = 0  # ... found in earlier responses rather than the row's own text
-        self.proposed_tokens = 0  # tokens of those continuations (before the batch cuts them to its length)
 
     @property
     def hit_rate(self) -> float:
@@ -290,7 +287,6 @@ class SuffixDrafter(Drafter):
             self.row_steps += len(self._rows)
             self.hits += len(found)
             self.response_hits += sum(d.source == "responses" for d in found)
-            self.proposed_tokens += sum(len(d.token_ids) for d in found)
         return self._drafts
 
     def _best(self, row: _Row) -> SuffixDraft | None:

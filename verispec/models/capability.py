@@ -81,7 +81,7 @@ class UnsupportedModelError(ValueError):
     phrases) say which model and why."""
 
     def __init__(self, model: PreTrainedModel, reason: str, detail: str = "") -> None:
-        self.model_type = model_type(model)
+        self.model_type = str(getattr(model.config, "model_type", None) or type(model).__name__)
         self.reason = reason
         super().__init__(f"{type(model).__name__} (model type {self.model_type!r}) is not supported: {reason}"
                          f"{'; ' + detail if detail else ''}. verispec would roll its cache back wrongly, so it "
@@ -104,10 +104,6 @@ class ProbeResult:
     @property
     def supported(self) -> bool:
         return self.reason is None
-
-
-def model_type(model: PreTrainedModel) -> str:
-    return str(getattr(model.config, "model_type", None) or type(model).__name__)
 
 
 def position_limit(model: PreTrainedModel) -> tuple[int | None, str | None]:

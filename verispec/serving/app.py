@@ -280,9 +280,6 @@ class Server:
             generation.cancel()
         yield "data: [DONE]\n\n"
 
-    def models(self) -> ModelList:
-        return ModelList(data=[self.model_card()])
-
     def model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, created=self.created, max_model_len=self.max_context)
 
@@ -416,7 +413,7 @@ def create_app(engine, tokenizer, model_name: str, max_context: int, *, eos_toke
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return server.models()
+        return ModelList(data=[server.model_card()])
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard,
              responses={404: {"model": ErrorResponse, "description": "Not the served model."}})
