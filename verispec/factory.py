@@ -107,13 +107,11 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
     the dtype, the device, the decoder options, and the target and draft names (an unknown name, a missing path,
     a folder that is no model; a Hub id is only checked for its shape). ``here=False``: the models will be
     loaded on other machines (Ray workers), so this machine's paths and devices are not checked."""
-    if draft_quant not in DRAFT_QUANTS:
-        raise ValueError(f"draft_quant must be one of {', '.join(map(repr, DRAFT_QUANTS))}, got {draft_quant!r}")
-    if cross_tokenizer not in CROSS_TOKENIZER_METHODS:
-        raise ValueError(f"cross_tokenizer must be one of {', '.join(map(repr, CROSS_TOKENIZER_METHODS))}, "
-                         f"got {cross_tokenizer!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    for name, value, allowed in (("draft_quant", draft_quant, DRAFT_QUANTS),
+                                 ("cross_tokenizer", cross_tokenizer, CROSS_TOKENIZER_METHODS),
+                                 ("backend", backend, BACKENDS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
     parse_model_dtype(dtype)
     parse_device(device, here=here)
     _check_decoder_options(decoder_options)

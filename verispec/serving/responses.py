@@ -11,24 +11,10 @@ from pydantic import AfterValidator, BaseModel, Field
 from ..telemetry import RowRecord
 
 FinishReason = Literal["stop", "length", "tool_calls", "error"]
-
-
-def _finite(value: float) -> float:
-    return value if math.isfinite(value) else 0.0
-
-
-Rate = Annotated[float, AfterValidator(_finite)]  # JSON has no NaN: a rate over nothing is 0
-_OMITTED_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
-
-
 LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative reads as this (vLLM's convention)
-
-
-def _logprob(value: float) -> float:
-    return max(LOWEST_LOGPROB, value)
-
-
-Logprob = Annotated[float, AfterValidator(_logprob)]
+Rate = Annotated[float, AfterValidator(lambda value: value if math.isfinite(value) else 0.0)]  # JSON has no NaN: 0
+Logprob = Annotated[float, AfterValidator(lambda value: max(LOWEST_LOGPROB, value))]
+_OMITTED_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
 
 
 class Usage(BaseModel):
