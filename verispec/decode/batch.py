@@ -223,6 +223,9 @@ class DecodeBatch:
             return [0] * len(self.rows), None, None
         share = None if room is None else max(room.tokens // len(self.rows) - 1, 0)
         limits = [row.draft_limit() if share is None else min(row.draft_limit(), share) for row in self.rows]
+        if self.drafter.free and any(limits):  # a lookup's draft is known before the plan: no longer than found
+            found = self.drafter.lookups(max(limits))
+            limits = [min(limit, len(tokens)) for limit, tokens in zip(limits, found)]
         if self.controller is None or not any(limits):
             return limits, None, None
         if isinstance(self.controller, SourceController) and isinstance(self.drafter, SourceDrafter):

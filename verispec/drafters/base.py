@@ -33,8 +33,9 @@ class Drafter(ABC):
 
     #: draft forward passes run so far (for telemetry)
     calls: int = 0
-    #: no model runs (a lookup): a draft costs only the target's wider pass, so the planner may draft up to
-    #: ``policy.MOST_DRAFTS`` and price every length on the pass-cost curve (``SpeculationController``)
+    #: no model runs (a lookup, with ``lookups(num_draft_tokens)``: each row's draft, known before the plan): a
+    #: draft costs only the target's wider pass, so the planner plans each row up to what its lookup found, up to
+    #: ``policy.MOST_DRAFTS``, priced on the pass-cost curve (``SpeculationController``)
     free: bool = False
 
     @property
