@@ -77,6 +77,46 @@ class LiveServer:
         self.thread.join(timeout=30)
 
 
+class LlamaServer:
+    """llama.cpp's own ``llama-server`` on the same GGUF, as a subprocess on a free loopback port: ``slots`` slots
+    (``-np``) sharing one KV memory of ``ctx`` cells (``--kv-unified``, as verispec's shared memory), ``threads``
+    threads, flash attention on, ``extra`` flags (``--spec-type ngram-simple`` ...)."""
+
+    def __init__(self, binary: str, gguf: str, slots: int, ctx: int, threads: int, extra: list[str]) -> None:
+        import subprocess
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{port}"
+        self.command = [binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-np", str(slots), "-c",
+                        str(ctx), "--kv-unified", "-t", str(threads), "-fa", "on", "--no-webui", *extra]
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                error = self.process.stderr.read().decode(errors="replace")[-2000:] if self.process.poll() else ""
+                self.close()
+                raise RuntimeError(f"llama-server did not start: {' '.join(self.command)}\n{error}")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except Exception:  # noqa: BLE001 - a server that does not stop is killed
+            self.process.kill()
+
+
+COUNT_TOKENS = None  # text -> tokens, for a server whose stream carries no usage (set in main)
+
+
 async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -96,7 +136,7 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             if chunk.get("usage"):
                 usage, telemetry = chunk["usage"], chunk.get("verispec")
     end = time.perf_counter()
-    tokens = usage["completion_tokens"]
+    tokens = usage["completion_tokens"] if usage else COUNT_TOKENS(text)
     first = first if first is not None else end
     return {
         "prompt": prompt, "text": text, "completion_tokens": tokens, "latency_s": end - start,
@@ -182,6 +222,16 @@ def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: 
         engine.shutdown()
 
 
+def measure_llama_server(binary: str, gguf: str, args, prompts: list[str], clients: int, extra: list[str]) -> dict:
+    """One level against llama-server (started for it, warm-up request first)."""
+    server = LlamaServer(binary, gguf, max(clients, 1), args.llama_ctx or 8192, args.llama_threads or 2, extra)
+    try:
+        asyncio.run(run_level(server.url, prompts[:1], 1, 1, 4))  # warm-up
+        return asyncio.run(run_level(server.url, prompts, clients, args.requests_per_client, args.max_tokens))
+    finally:
+        server.close()
+
+
 def free_draft_decoder(speculative: SpeculativeDecoder, name: str, tokenizer) -> SpeculativeDecoder:
     """A decoder on ``speculative``'s target weights with a free draft (``suffix``: global scope, as ``verispec serve
     --draft suffix`` without keys; ``ngram``: prompt lookup), calibrated as ``verispec.load`` calibrates."""
@@ -217,6 +267,7 @@ def markdown(results: dict) -> str:
             name = results["draft"] if mode == "speculative" else mode.partition(":")[2]
             label = f"speculative ({name})"
             label = "target alone" if mode == "target_alone" else label
+            label = f"llama-server ({mode.partition(':')[2] or 'plain'})" if mode.startswith("llama_server") else label
             lines.append(
                 f"| {label} | {r['clients']} | {r['throughput_tok_s']:.2f} | {r['throughput_tok_s'] / alone:.2f}x | "
                 f"{lat['p50']:.2f} / {lat['p90']:.2f} / {lat['p99']:.2f} | {ttft['p50']:.2f} / {ttft['p90']:.2f} | "
@@ -225,7 +276,16 @@ def markdown(results: dict) -> str:
                 f"{(r['tokens_per_target_pass'] or 0):.2f} | "
                 f"{' / '.join(f'{t:.2f}' for t in r['throughput_by_repeat'])} | "
                 f"{', '.join(f'{k} {v}' for k, v in sorted(r.get('gate_steps', {}).items())) or '-'} |")
-    lines += ["", f"Greedy outputs identical between the modes at every level: **{results['identical_outputs']}**.",
+    servers = [mode for mode in results["levels"][0] if mode.startswith("llama_server")] if results["levels"] else []
+    for server in servers:
+        lines += ["", f"verispec against `{server}` (tok/s ratio) by clients: " + ", ".join(
+            f"{level[server]['clients']}: " + " / ".join(
+                f"{mode} {level[mode]['throughput_tok_s'] / level[server]['throughput_tok_s']:.2f}x"
+                for mode in level if not mode.startswith("llama_server")) for level in results["levels"])]
+    if results.get("llama_server_same_as_alone"):
+        lines += ["", "llama-server's greedy outputs equal to verispec's target alone (outputs): "
+                  + ", ".join(f"{k}: {v}" for k, v in results["llama_server_same_as_alone"].items())]
+    lines += ["", f"Greedy outputs identical between verispec's modes at every level: **{results['identical_outputs']}**.",
               "", "Controller steps: the speculation controller's decisions over each mode's repeats, by reason "
               "(`pays`: a cap > 0 beat the target alone at confidence; `alone`: k = 0 for the whole batch; `explore`: "
               "a neighbouring cap run once to measure it; `none`: no row may draft; `priced`: the backend's pass cost "
@@ -249,7 +309,8 @@ def plot(results: dict, path: Path) -> None:
     clients = [level["speculative"]["clients"] for level in levels]
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in [m for m in levels[0] if m != "target_alone"]:
-        name = results["draft"] if mode == "speculative" else mode.split(":", 1)[1]
+        name = results["draft"] if mode == "speculative" else mode.partition(":")[2]
+        name = mode.replace("_", "-") if mode.startswith("llama_server") else name
         line, = ax.plot(clients, [level[mode]["throughput_tok_s"] / level["target_alone"]["throughput_tok_s"]
                                   for level in levels], "o-", label=f"{name} (pooled over repeats)")
         for level in levels:
@@ -293,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="as verispec serve's --llama-streams / --no-llama-streams (default: a KV stream per row)")
     parser.add_argument("--also-drafts", default="", help="comma-separated free drafts (suffix, ngram) measured as "
                         "further modes on the same target weights")
+    parser.add_argument("--llama-server", default=None, metavar="BIN",
+                        help="also llama.cpp's llama-server on the same GGUF (a slot per client, --kv-unified, "
+                             "--llama-ctx cells) as mode 'llama_server'")
+    parser.add_argument("--llama-server-spec", default="", metavar="TYPES",
+                        help="comma-separated llama-server --spec-type values measured as further modes")
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--replot", action="store_true",
                         help="rewrite SERVE.md and serve.png from the serve.json in --out, without measuring")
@@ -332,20 +398,38 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"speculative": speculative, "target_alone": alone}
     for name in [d for d in args.also_drafts.split(",") if d]:
         modes[f"speculative:{name}"] = free_draft_decoder(speculative, name, tokenizer)
+    global COUNT_TOKENS
+    COUNT_TOKENS = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    external = {}  # llama.cpp's own server: mode -> extra flags
+    if args.llama_server:
+        external["llama_server"] = []
+        for spec in [t for t in args.llama_server_spec.split(",") if t]:
+            external[f"llama_server:{spec}"] = ["--spec-type", spec]
+    gguf = str(getattr(speculative.target_model, "path", ""))
     for clients in [int(c) for c in args.concurrency.split(",")]:
-        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        runs: dict[str, list[dict]] = {mode: [] for mode in [*modes, *external]}
         for repeat in range(args.repeats):  # A B C, B C A, C A B: each mode takes each place once in n repeats,
             order = list(modes)[repeat % len(modes):] + list(modes)[:repeat % len(modes)]  # so a drift in machine
-            for mode in order:  # speed, or the first run after a level's start, hits every mode alike (2: A B B A)
-                log(f"{mode}, {clients} clients, repeat {repeat + 1}/{args.repeats}")
-                runs[mode].append(serve_and_measure(modes[mode], tokenizer, eos, max_context, args, prompts, clients))
+            for mode in order + list(external):  # speed, or the first run after a level's start, hits every
+                log(f"{mode}, {clients} clients, repeat {repeat + 1}/{args.repeats}")  # mode alike (2: A B B A)
+                if mode in external:
+                    runs[mode].append(measure_llama_server(args.llama_server, gguf, args, prompts, clients,
+                                                           external[mode]))
+                else:
+                    runs[mode].append(serve_and_measure(modes[mode], tokenizer, eos, max_context, args, prompts,
+                                                        clients))
                 log(f"  {runs[mode][-1]['throughput_tok_s']:.2f} tok/s, "
                     f"latency p50 {runs[mode][-1]['latency_s']['p50']:.2f} s")
         level = {mode: combine(rs) for mode, rs in runs.items()}
         reference = runs["target_alone"][0]["outputs"]  # prompt -> text
-        differing = sorted({prompts.index(prompt) for rs in runs.values() for r in rs
+        ours = {mode: rs for mode, rs in runs.items() if mode not in external}  # llama-server's: reported apart
+        differing = sorted({prompts.index(prompt) for rs in ours.values() for r in rs
                             for prompt, text in r["outputs"].items() if text != reference.get(prompt)})
-        same = not differing and all(r["outputs"].keys() == reference.keys() for rs in runs.values() for r in rs)
+        same = not differing and all(r["outputs"].keys() == reference.keys() for rs in ours.values() for r in rs)
+        for mode in external:
+            level_outputs = [text == reference.get(prompt) for r in runs[mode] for prompt, text in r["outputs"].items()]
+            results.setdefault("llama_server_same_as_alone", {})[f"{mode} {clients}"] = \
+                f"{sum(level_outputs)} / {len(level_outputs)}"
         results.setdefault("differing_prompts", {})[str(clients)] = differing  # indices into the prompts
         identical = identical and same
         if not same:

@@ -152,7 +152,9 @@ def run_verispec(args) -> dict:
                                         "identical": out.tokens[0] == alone.tokens[0],
                                         "prefill_seconds": stats.prefill_time_s,
                                         "draft_tokens": stats.draft_tokens, "accepted": stats.accepted_tokens,
-                                        "target_calls": stats.target_calls}
+                                        "target_calls": stats.target_calls,
+                                        # the loop's host work: decoding time outside the target's passes
+                                        "target_seconds": stats.target_time_s}
             log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
                 + ", ".join(f"{k} {decode_rate(v):.1f} tok/s" for k, v in record.items() if isinstance(v, dict)))
             records.append(record)
@@ -277,8 +279,49 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(results, indent=1))  # what ran so far, if the rest is cut off
     results["summary"] = summarise(results)
     args.out.write_text(json.dumps(results, indent=1))
-    print(json.dumps(results["summary"], indent=1))
+    args.out.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
     return 0
+
+
+def markdown(results: dict) -> str:
+    """The per-prompt decoding rates (prefill excluded, medians over repeats) and the issue's ratios."""
+    rows = results["summary"]["per_prompt"]
+    ours = [k for k in next(iter(rows.values())) if k.startswith("vs_")]
+    theirs = [k for k in next(iter(rows.values())) if k.startswith("llama_") and k not in ("llama_plain_repack_off",)]
+    lines = [f"# verispec vs llama.cpp's tools ({results['machine']}, {results['threads']} threads, "
+             f"{results['max_new_tokens']} tokens, greedy, mode {results['verispec'].get('mode')})", "",
+             f"`{results['command']}`", "", "Decoding rate (tok/s, prompt evaluation excluded), median over "
+             f"{results['repeats']} repeat(s):", "",
+             "| prompt | kind | tokens | " + " | ".join([*theirs, *ours]) + " | best verispec / llama plain | "
+             "best verispec / llama's best speculative | identical |",
+             "|" + "---|" * (5 + len(theirs) + len(ours))]
+    ratios_plain, ratios_best, edits = [], [], []
+    for index, row in rows.items():
+        best_ours = max((row[k] for k in ours if k != "vs_alone" and isinstance(row.get(k), float)), default=None)
+        spec = [row[k] for k in theirs if k not in ("llama_plain",) and isinstance(row.get(k), float)
+                and "draft" not in k]
+        plain = row.get("llama_plain")
+        r_plain = best_ours / plain if best_ours and plain else None
+        r_best = best_ours / max(spec) if best_ours and spec else None
+        if row["kind"] == "repetitive":
+            ratios_plain.append(r_plain)
+            ratios_best.append(r_best)
+            edits.append(r_plain)
+        same = all(r.get(k, {}).get("identical", True) for r in results["verispec"]["records"]
+                   if r["prompt"] == index for k in ours if k != "vs_alone")
+        lines.append(f"| {index} | {row['kind']} | {row['prompt_tokens']} | "
+                     + " | ".join(f"{row.get(k, '-')}" for k in [*theirs, *ours])
+                     + f" | {r_plain and round(r_plain, 2)} | {r_best and round(r_best, 2)} | {same} |")
+    host = [1 - v["target_seconds"] / max(v["seconds"] - v["prefill_seconds"], 1e-9)
+            for r in results["verispec"]["records"] for k, v in r.items() if isinstance(v, dict) and "target_seconds" in v]
+    done = [x for x in ratios_plain if x]
+    lines += ["", f"Copy-edits: median best verispec / llama.cpp plain "
+              f"{statistics.median(done) if done else float('nan'):.2f}x; / llama.cpp's best own speculative type "
+              f"{statistics.median([x for x in ratios_best if x] or [float('nan')]):.2f}x.",
+              f"Host work (decoding time outside the target's passes), median over the speculative runs: "
+              f"{100 * statistics.median(host or [float('nan')]):.1f}% of decoding.", ""]
+    return "\n".join(lines) + "\n"
 
 
 def summarise(results: dict) -> dict:
