@@ -389,6 +389,8 @@ def kv_layout(settings: LlamaSettings) -> str:
     if settings.per_row_streams():
         rows = f"{settings.n_seq_max} row{'s' if settings.n_seq_max != 1 else ''}"
         return f"KV memory: a stream per row, {rows} x {settings.row_ctx()} tokens"
+    if settings.n_seq_max == 1:
+        return f"KV memory: {settings.row_ctx()} tokens for one row"
     return f"KV memory: {settings.row_ctx()} tokens shared by up to {settings.n_seq_max} rows"
 
 
