@@ -314,7 +314,9 @@ class DecodeBatch:
         finished, callbacks = self._commit(record, [h[2] for h in host], new_tokens, logprobs)
         if self.controller is not None:  # whole steps as they ran, less what was not this step's work
             seconds = time.perf_counter() - step_start - waited - callbacks - (catch_up[1] if catch_up else 0.0)
-            if plan is None:
+            if self.target.opened:  # rows scored at their prefill took no pass: not a step's cost, untimed
+                pass
+            elif plan is None:
                 self.controller.observe_step(len(rows), k, seconds, catch_up)
             else:
                 self.controller.observe_plan_step(plan.plan, len(rows), k, seconds, catch_up)

@@ -94,6 +94,7 @@ class CachedLM:
     as it would alone (up to floating-point differences of batched matrix products).
     """
 
+    opened = 0  # rows whose last forward took no pass (none here: llama.cpp's cache keeps a prompt's last logits)
     # Compact when the cache holds more than this many slots per valid slot of its fullest row.
     compact_ratio = 1.5
     compact_slack = 8  # ...plus this many, so short caches are not gathered every step

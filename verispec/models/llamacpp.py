@@ -221,6 +221,7 @@ class LlamaCache:
         self.model = model
         self.device = model.device
         self.rows: list[_Row] = []
+        self.opened = 0  # rows whose last forward opened with logits kept from their prefill (no pass for them)
 
     @property
     def batch_size(self) -> int:
@@ -291,6 +292,7 @@ class LlamaCache:
         with self.model.lock:
             context = self.model.context
             before = [(row.length, row.opening) for row in self.rows]
+            self.opened = sum(row.opening is not None for row in self.rows)
             try:
                 for b, row in enumerate(self.rows):
                     columns = [j for j in range(n) if mask[b][j]]

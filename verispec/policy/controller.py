@@ -326,8 +326,10 @@ class SpeculationController:
         reason = "pays" if choice else "alone"
         if schedule.steps > schedule.due:
             # Look next to the choice: a cap far from it is predicted from a line through measured ones, and a
-            # wrong guess there can cost several steps of the target alone.
-            candidates = [c for c in (choice - 1, choice + 1) if 0 <= c <= top]
+            # wrong guess there can cost several steps of the target alone. Free drafts are priced on the measured
+            # curve instead, so any length may be looked at: the best bound, often the longest (a step curve).
+            near = (choice - 1, choice + 1)
+            candidates = [c for c in (range(top + 1) if self.free_drafts else near) if 0 <= c <= top and c != choice]
             if candidates:
                 look = max(candidates, key=lambda c: (bounds[c][2], -c))
                 # The slowest schedule still re-measures, unless the catch-up alone costs more than a step.
