@@ -225,6 +225,9 @@ class DecodeBatch:
         limits = [row.draft_limit() if share is None else min(row.draft_limit(), share) for row in self.rows]
         if self.drafter.free and any(limits):  # a lookup's draft is known before the plan: no longer than found
             found = self.drafter.lookups(max(limits))
+            for row, limit, tokens in zip(self.rows, limits, found):  # consulted for every row that may draft
+                if limit:
+                    row.record.count_source(self.drafter.name, consulted=1, hits=bool(tokens))
             limits = [min(limit, len(tokens)) for limit, tokens in zip(limits, found)]
         if self.controller is None or not any(limits):
             return limits, None, None
@@ -330,12 +333,13 @@ class DecodeBatch:
     def _count_sources(self, proposal: Proposal, caps: list[int], record: StepRecord, plan: SourceDecision | None,
                        rows: list[Row]) -> None:
         """Per drafter, each row's share of this step (its record's ``sources``): a lookup consulted by
-        ``_source_lengths`` is counted there, a plain drafter here for every row it was asked."""
+        ``_source_lengths`` or ``_draft_lengths`` is counted there, any other drafter here for every row asked."""
         names = proposal.sources or [self.drafter.name] * len(rows)
         for row, name, cap, length, kept in zip(rows, names, caps, record.row_draft_lengths, record.row_accepted):
             if name is None or (plan is None and not cap):
                 continue
-            asked = 0 if plan is not None and name == self.drafter.lookup.name else 1
+            counted = self.drafter.free or (plan is not None and name == self.drafter.lookup.name)
+            asked = 0 if counted else 1  # a lookup's consultation is counted where it was asked
             row.record.count_source(name, consulted=asked, hits=asked and length > 0, draft_length=length,
                                     accepted=kept)
 
