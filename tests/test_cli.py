@@ -69,7 +69,7 @@ def test_stop_drafting_flag_keeps_the_output(models, capsys) -> None:
 
 def test_generate_streams_text_and_reports(models, capsys) -> None:
     argv = ["generate", "--target", models["target"], "--draft", "ngram", "--prompt", "x + 1 x + 1 x +",
-            "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "3"]
+            "--max-new-tokens", "6", "--min-tokens", "6", "--temperature", "0.8", "--seed", "3"]
     code, streamed, err = run(capsys, *argv)
     assert code == 0
     assert "tok/s" in err and "acceptance" in err
