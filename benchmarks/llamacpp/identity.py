@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--per-kind", type=int, default=4, help="general prompts per kind")
     parser.add_argument("--repetitive", type=int, default=4)
-    parser.add_argument("--torch", action="store_true", help="also the torch backend (the GGUF dequantised to float32)")
+    parser.add_argument("--backends", default="llama.cpp", help="comma-separated: llama.cpp, torch (the GGUF "
+                                                                   "dequantised to float32)")
     parser.add_argument("--bitwise-too", action="store_true", help="also llama.cpp's bitwise mode")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -112,12 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     prompts = bench.load_prompts(args)
     runs = []
-    for bitwise in (False, True) if args.bitwise_too else (False,):
+    backends = args.backends.split(",")
+    for bitwise in ((False, True) if args.bitwise_too else (False,)) if "llama.cpp" in backends else ():
         decoder, tokenizer = load(args.target, None, backend="llama.cpp", bitwise=bitwise, calibrate=False,
                                   llama_settings=LlamaSettings(n_threads=args.threads, n_seq_max=1))
         runs.append(run_backend("llama.cpp", decoder, tokenizer, prompts, args))
         decoder.close()
-    if args.torch:
+    if "torch" in backends:
         decoder, tokenizer = load(args.target, None, backend="torch", calibrate=False)
         runs.append(run_backend("torch float32", decoder, tokenizer, prompts, args))
     results = {"machine": bench.cpu_name(), "threads": args.threads, "max_new_tokens": args.max_new_tokens,
