@@ -53,11 +53,14 @@ def suffix_beside_model():
 
 def suffix_settings(pass_cost) -> Any:
     """Suffix decoding's settings alone beside a target whose passes cost ``pass_cost(width, rows)``: a few guessed
-    tokens past a match where they cost little, the match's evidence only where each costs a share of a pass."""
+    tokens past a match where they cost little, the match's evidence only where each costs a share of a pass, and
+    each draft cut to what its evidence pays for on this target (``SuffixSettings.pass_costs``)."""
     from .drafters.suffix import SuffixSettings
 
-    cheap = pass_cost(1 + GUESSED_TOKENS, 1) < CHEAP_GUESSES * pass_cost(1, 1)
-    return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0)
+    one = pass_cost(1, 1)
+    cheap = pass_cost(1 + GUESSED_TOKENS, 1) < CHEAP_GUESSES * one
+    costs = tuple(pass_cost(1 + n, 1) / one for n in range(SuffixSettings.max_spec_tokens + 1))
+    return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0, pass_costs=costs)
 
 
 def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:

@@ -114,8 +114,11 @@ def run_verispec(args) -> dict:
         elif split_suffix_draft(draft)[0]:
             from verispec.drafters.suffix import SuffixDrafter
 
-            decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(), vocab_size=len(tokenizer),
-                                                 num_draft_tokens=args.num_draft_tokens)
+            from verispec.factory import suffix_settings
+
+            settings = suffix_settings(base.pass_cost)  # as load(draft="suffix") builds it
+            decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(settings=settings),
+                                                 vocab_size=len(tokenizer), num_draft_tokens=args.num_draft_tokens)
     from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
 
     for decoder in decoders.values():  # as load() does: the first prompt's steps are already priced

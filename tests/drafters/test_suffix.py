@@ -757,3 +757,25 @@ def test_drafts_reach_as_far_as_their_evidence_unless_guesses_are_cheap() -> Non
     torch_cpu = PassCostCurve((1, 2, 4, 8, 16, 32), (0.050, 0.051, 0.053, 0.058, 0.080, 0.120))
     assert suffix_settings(llama_cpu).max_spec_offset == 0.0 and suffix_settings(torch_cpu).max_spec_offset == 4.0
     assert SuffixSettings().max_spec_tokens == 32
+
+
+def test_a_draft_is_cut_to_what_its_own_evidence_pays_for() -> None:
+    """``SuffixSettings.pass_costs`` (the factory's, from the target's measured pass cost): a continuation is cut to
+    the prefix with the most expected tokens per unit of pass cost, and dropped where none beats the target alone.
+    On llama.cpp's 2-core curve a sure long copy keeps all its tokens, a coin-flip continuation none."""
+    from verispec.drafters.suffix import SuffixDraft
+
+    costs = (1.0, 1.7, 2.2, 2.6, 2.9, 3.2, 3.5, 3.8, 4.5)  # a pass of 1 + n tokens over a one-token pass
+    sure = SuffixDraft([1, 2, 3, 4, 5, 6, 7, 8], 8.0, 12, "request", [1.0] * 8)
+    assert sure.worth(costs).token_ids == [1, 2, 3, 4, 5, 6, 7]  # the 8th token costs 0.7 for at most 1
+    fading = SuffixDraft([1, 2, 3, 4], 2.2, 3, "request", [0.9, 0.7, 0.4, 0.2])
+    assert fading.worth(costs).token_ids == [1, 2]  # (1 + 0.9 + 0.7) / 2.2 beats one token, and 3 or 4 tokens
+    coin = SuffixDraft([1, 2], 0.75, 2, "request", [0.5, 0.25])
+    assert coin.worth(costs) is None and coin.worth(()) is coin  # 1.5 / 1.7 < 1; no costs, no gate
+    # In the drafter: arctic-inference estimates these copies' tokens at 0.5 each, so 3 tokens (2.5 expected for 2.6
+    # passes) do not pay, 4 do just (3 for 2.9), and of 9 the first 7 pay best (4.5 for 3.8).
+    drafter = SuffixDrafter(settings=SuffixSettings(pass_costs=costs, min_token_prob=0.0))
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    drafter.start([[9, *text, 0, *text, 0, *text[:4]], [9, *text, 0, *text[:4]], [7, 1, 2, 3, 4, 5, 6, 9, 1, 2, 3]],
+                  GREEDY, 512)
+    assert [d and d.token_ids for d in drafter.drafts()] == [[5, 6, 7, 8, 0, 1, 2], [5, 6, 7, 8], None]

@@ -84,6 +84,11 @@ class SuffixSettings:
     max_spec_offset: float = 0.0
     min_token_prob: float = 0.1  # a continuation ends where its estimated probability falls below this
     min_score: float = 0.0  # ``propose`` / ``lookups`` use only a continuation scoring at least this
+    # ``pass_costs[n]``: a scoring pass of 1 + n tokens over a one-token pass on the target (the factory's, from
+    # its measured pass cost; empty: no gate). A continuation is then cut to the prefix whose expected tokens per
+    # unit of cost are highest, and dropped where none beats the target alone: each draft pays for its own pass by
+    # its own evidence (its tokens' estimated probabilities), so weak short matches cost nothing.
+    pass_costs: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 1:
@@ -101,14 +106,30 @@ class SuffixDraft:
     score: float  # sum of the tokens' estimated probabilities: the expected number kept
     match_len: int  # tokens of the row's text the continuation was matched on
     source: str  # "request" (the row's own text) or "responses" (its scope's responses, its own so far included)
+    probs: list[float] = field(default_factory=list)  # each token's estimated probability of being reached and kept
+
+    def worth(self, pass_costs: Sequence[float]) -> SuffixDraft | None:
+        """This draft cut to the prefix that commits the most expected tokens per unit of pass cost (``pass_costs``
+        as ``SuffixSettings``'), None if no prefix beats the target alone; itself when no costs are given."""
+        if not pass_costs or not self.probs:
+            return self
+        best, best_rate, tokens = 0, 1.0, 1.0  # the target alone: one token per one-token pass
+        for n, prob in enumerate(self.probs[:len(pass_costs) - 1], start=1):
+            tokens += prob
+            if tokens / pass_costs[n] > best_rate:
+                best, best_rate = n, tokens / pass_costs[n]
+        if not best:
+            return None
+        return SuffixDraft(self.token_ids[:best], sum(self.probs[:best]), self.match_len, self.source,
+                           self.probs[:best])
 
 
 def _speculate(cache: SuffixDecodingCache, request_id: int, context: list[int], settings: SuffixSettings,
                source: str) -> SuffixDraft | None:
     draft = cache.speculate(request_id, context, settings.max_spec_tokens, settings.max_spec_factor,
                             settings.max_spec_offset, settings.min_token_prob, False)
-    return SuffixDraft(list(draft.token_ids), float(draft.score), int(draft.match_len), source) \
-        if draft.token_ids else None
+    return SuffixDraft(list(draft.token_ids), float(draft.score), int(draft.match_len), source,
+                       [float(p) for p in draft.probs]) if draft.token_ids else None
 
 
 @dataclass
@@ -299,8 +320,9 @@ class SuffixDrafter(Drafter):
         if best is not None and self.vocab_size is not None and max(best.token_ids) >= self.vocab_size:
             cut = next(i for i, t in enumerate(best.token_ids) if t >= self.vocab_size)
             best.token_ids, best.score = best.token_ids[:cut], best.score * cut / len(best.token_ids)
+            best.probs = best.probs[:cut]
             best = best if cut else None
-        return best
+        return best.worth(self.settings.pass_costs) if best is not None else None
 
     def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
         """Per row, the first ``num_draft_tokens`` tokens of its continuation if it scores at least
