@@ -391,13 +391,10 @@ class SpeculativeDecoder:
         with self.new_batch(drafter, self.controller_for(draft), limits=limits, stats=stats,
                             stop_drafting=stop_drafting) as batch:
             while batch.rows or waiting:
-                batch.add(memory.take(waiting))
+                batch.add(memory.take(waiting))  # rows that ended gave their cells back
                 for row in batch.step() if batch.rows else ():
-                    memory.release(row)
                     if row.callback_error is not None:
                         raise row.callback_error
-                for row in [row for row, _ in memory.held.values() if row.reason is not None]:
-                    memory.release(row)  # ended on joining (nothing to generate)
         sync(self.device)
         stats.total_time_s = time.perf_counter() - start
         output = GenerateOutput(tokens=[list(row.output) for row in rows], finish_reasons=[row.reason for row in rows],

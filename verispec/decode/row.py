@@ -71,12 +71,13 @@ class Row:
 
 
 class Reservation:
-    """Admission to a shared memory of ``cells`` (None: no fixed size, every row fits). Not thread-safe: the
-    engine holds its lock, ``generate`` has one thread."""
+    """Admission to a shared memory of ``cells`` (None: no fixed size, every row fits). A row admitted holds its
+    cells until it ends (its finish reason is set: its memory leaves with it). Not thread-safe: the engine holds
+    its lock and sets reasons on its own thread, ``generate`` has one thread."""
 
     def __init__(self, cells: int | None) -> None:
         self.cells = cells
-        self.held: dict[int, tuple[Row, int]] = {}  # by id: a row admitted and not released, and its cells
+        self.held: dict[int, tuple[Row, int]] = {}  # by id: a row admitted and running, and its cells
 
     def need(self, row: Row) -> int:
         """A row's cells at most: its prompt, its budget and its longest block (never more than the memory: a row
@@ -86,6 +87,7 @@ class Reservation:
 
     def fits(self, row: Row) -> bool:
         """Whether ``row`` joins now: its need is free beside the rows admitted (always, with none admitted)."""
+        self.held = {key: (held, cells) for key, (held, cells) in self.held.items() if held.reason is None}
         if self.cells is None or not self.held:
             return True
         return sum(cells for _, cells in self.held.values()) + self.need(row) <= self.cells
@@ -93,9 +95,6 @@ class Reservation:
     def admit(self, row: Row) -> None:
         if self.cells is not None:
             self.held[id(row)] = (row, self.need(row))
-
-    def release(self, row: Row) -> None:
-        self.held.pop(id(row), None)
 
     def take(self, waiting: list[Row]) -> list[Row]:
         """The rows at the front of ``waiting`` that fit now, in order (removed from it and admitted)."""
