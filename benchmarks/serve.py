@@ -25,6 +25,7 @@ import json
 import socket
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,6 +52,20 @@ def log(message: str) -> None:
     print(f"[serve-bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def wait_healthy(url: str, seconds: float, poll: float, gone=lambda: False) -> bool:
+    """Whether ``url``'s ``/health`` answers 200 within ``seconds`` (asked every ``poll`` s; False at once once
+    ``gone()``, a server process that exited)."""
+    deadline = time.monotonic() + seconds
+    while not gone() and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll)
+    return False
+
+
 class LiveServer:
     """uvicorn serving ``app`` from a background thread on a free loopback port."""
 
@@ -61,16 +76,8 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start")
-            time.sleep(0.05)
+        if not wait_healthy(self.url, 60, 0.05):
+            raise TimeoutError("server did not start")
 
     def close(self) -> None:
         self.server.should_exit = True
@@ -92,19 +99,14 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{port}"
         self.command = [binary, "-m", gguf, "--port", str(port), "--host", "127.0.0.1", "-np", str(slots), "-c",
                         str(ctx), "--kv-unified", "-t", str(threads), "-fa", "on", "--no-webui", *extra]
-        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                error = self.process.stderr.read().decode(errors="replace")[-2000:] if self.process.poll() else ""
-                self.close()
-                raise RuntimeError(f"llama-server did not start: {' '.join(self.command)}\n{error}")
-            time.sleep(0.2)
+        # Its log goes to a file: a pipe nobody reads while it serves would fill and stall the server.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=self.log)
+        if not wait_healthy(self.url, 300, 0.2, gone=lambda: self.process.poll() is not None):
+            self.log.seek(0)
+            error = self.log.read().decode(errors="replace")[-2000:]
+            self.close()
+            raise RuntimeError(f"llama-server did not start: {' '.join(self.command)}\n{error}")
 
     def close(self) -> None:
         self.process.terminate()
@@ -112,6 +114,7 @@ class LlamaServer:
             self.process.wait(timeout=30)
         except Exception:  # noqa: BLE001 - a server that does not stop is killed
             self.process.kill()
+        self.log.close()
 
 
 COUNT_TOKENS = None  # text -> tokens, for a server whose stream carries no usage (set in main)
