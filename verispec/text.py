@@ -121,7 +121,7 @@ class TextState:
                 if piece and self._found_stop(len(piece)):
                     return self.text[returned:]
         self.num_tokens = self._received
-        self._release(len(self._held) - self._stop_prefix_length())
+        self._release(len(self._held) - partial_mark(self._held, self.stops))
         return self.text[returned:]
 
     def flush(self) -> str:
@@ -165,17 +165,17 @@ class TextState:
             count -= 1
         return count
 
-    def _stop_prefix_length(self) -> int:
-        """The longest suffix of the held text that is the start of a stop string (but not a whole one)."""
-        for length in range(min(self.longest_stop - 1, len(self._held)), 0, -1):
-            tail = self._held[-length:]
-            if any(stop.startswith(tail) for stop in self.stops):
-                return length
-        return 0
-
     def _release(self, count: int) -> None:
         self.text += self._held[:count]
         self._held = self._held[count:]
+
+
+def partial_mark(text: str, marks: Sequence[str]) -> int:
+    """The length of the longest suffix of ``text`` that is the start of one of ``marks`` (stop strings, a tool
+    call's tag) but not a whole one: text to hold back until the next piece shows what it is."""
+    longest = max(map(len, marks), default=0)
+    return next((n for n in range(min(longest - 1, len(text)), 0, -1)
+                 if any(mark.startswith(text[-n:]) for mark in marks)), 0)
 
 
 class TokenBytes:

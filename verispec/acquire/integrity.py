@@ -80,8 +80,8 @@ def save_atomic_dir(final: Path, save: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _default_marker(gguf: Path) -> Path:
-    return gguf.with_name(gguf.name + ".verified.json")
+def _marker(gguf: Path, marker: Path | None) -> Path:
+    return Path(marker) if marker is not None else gguf.with_name(gguf.name + ".verified.json")
 
 
 def _marker_matches(marker: Path, gguf: Path, expected_sha256: str) -> bool:
@@ -108,7 +108,7 @@ def verify_gguf(path: Path, expected_size: int, expected_sha256: str, *, marker:
     recomputed unless ``marker`` (default ``<path>.verified.json``) vouches for this very file; after a
     successful hash the marker is (re)written."""
     path = Path(path)
-    marker = Path(marker) if marker is not None else _default_marker(path)
+    marker = _marker(path, marker)
     if not path.is_file():
         raise ZooError(f"GGUF not found: {path}")
     size = path.stat().st_size
@@ -157,16 +157,13 @@ def _concatenate(parts: list[Path], out, name: str, progress: Progress | None) -
 
 def assemble_gguf(parts: Sequence[Path], dest: Path, expected_size: int, expected_sha256: str, *,
                   marker: Path | None = None, progress: Progress | None = None) -> Path:
-    """Concatenate ``parts`` in order into ``dest`` and verify it; return ``dest``.
-
-    Streams the parts into a temp file next to ``dest``, hashing as it writes; the total size is checked
-    before anything is written. ``dest`` appears (atomic rename) only if size and sha256 match; otherwise
-    :class:`ZooError` names expected vs found. A marker (default ``<dest>.verified.json``) spares
-    :func:`verify_gguf` the rehash later.
-    """
+    """Concatenate ``parts`` in order into ``dest``, which appears only complete and verified (see the module's
+    guarantees; :class:`ZooError` names expected vs found); return ``dest``. The parts' total size is checked
+    before anything is written; a marker (default ``<dest>.verified.json``) spares :func:`verify_gguf` the
+    rehash later."""
     parts = [Path(p) for p in parts]
     dest = Path(dest)
-    marker = Path(marker) if marker is not None else _default_marker(dest)
+    marker = _marker(dest, marker)
     total = _check_parts(parts, dest, expected_size)
     say(progress, f"assembling {dest.name} from {len(parts)} part(s) ({_mb(total)}) ...")
     with _atomic_file(dest, "wb") as out:

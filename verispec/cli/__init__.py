@@ -131,8 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug_arg(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text, streamed as it is accepted")
-    _add_model_args(gen, draft_default="qwen2.5-coder-0.5b")
+    def command(name: str, func, about: str, draft_default: str = "qwen2.5-coder-0.5b", **defaults):
+        """A sub-command running ``func``, with the model flags (its own flags follow; --debug comes last)."""
+        cmd = sub.add_parser(name, help=about)
+        _add_model_args(cmd, draft_default)
+        cmd.set_defaults(func=func, **defaults)
+        return cmd
+
+    gen = command("generate", cmd_generate, "generate text, streamed as it is accepted",
+                  llama_rows=1)  # one prompt: KV memory for one row
     gen.add_argument("--prompt", help="prompt text (or --prompt-file, or stdin)")
     gen.add_argument("--prompt-file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
@@ -144,21 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers': prompt and output")
     gen.add_argument("--min-tokens", type=int, default=0, help="EOS masked before this many tokens")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    _add_debug_arg(gen)
-    gen.set_defaults(func=cmd_generate, llama_rows=1)  # one prompt: KV memory for one row
 
-    demo = sub.add_parser("demo", help="real models on a copy-edit: the plain loop vs speculative, timed side by "
-                                       "side, whether the outputs are identical, the speed-up where tokens were drafted")
-    _add_model_args(demo, draft_default="suffix")
-    demo.set_defaults(max_new_tokens=160)
+    demo = command("demo", cmd_demo, "real models on a copy-edit: the plain loop vs speculative, timed side by side, "
+                   "whether the outputs are identical, the speed-up where tokens were drafted", "suffix",
+                   max_new_tokens=160, llama_rows=1)
     demo.add_argument("--prompt", default=None, help="a code prompt, completed as it is (default: a copy-edit "
                                                      "instruction, in the model's chat template)")
-    _add_debug_arg(demo)
-    demo.set_defaults(func=cmd_demo, llama_rows=1)
 
-    bat = sub.add_parser("batch", help="offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)")
-    _add_model_args(bat, draft_default="qwen2.5-coder-0.5b")
-    bat.set_defaults(num_draft_tokens="heuristic")  # timing-free: every run decodes the same blocks
+    bat = command("batch", cmd_batch, "offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)",
+                  num_draft_tokens="heuristic")  # timing-free: every run decodes the same blocks
     bat.add_argument("--input", required=True, help="JSONL or .parquet rows: prompt or messages, max_tokens, "
                                                     "temperature, top_p, top_k, seed; other fields kept as they are")
     bat.add_argument("--output", required=True, help="JSONL: the input rows plus the completions (rows already "
@@ -175,12 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     bat.add_argument("--cpus-per-worker", type=float, default=1.0, metavar="C")
     bat.add_argument("--gpus-per-worker", type=float, default=0.0, metavar="G")
     bat.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_debug_arg(bat)
-    bat.set_defaults(func=cmd_batch)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    _add_model_args(srv, draft_default="qwen2.5-coder-0.5b")
-    srv.set_defaults(max_new_tokens=None)  # per request: max_tokens, else OpenAI's defaults
+    srv = command("serve", cmd_serve, "OpenAI-compatible HTTP server with continuous batching",
+                  max_new_tokens=None)  # per request: max_tokens, else OpenAI's defaults
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-batch-size", type=int, default=32, metavar="B", help="rows decoded together (32)")
@@ -195,8 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "request's, its API key's, or none (default: key when API keys are set, else global)")
     _add_serve_security_args(srv)
     _add_ray_serve_args(srv)
-    _add_debug_arg(srv)
-    srv.set_defaults(func=cmd_serve)
+    for cmd in (gen, demo, bat, srv):
+        _add_debug_arg(cmd)
     return parser
 
 

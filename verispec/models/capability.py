@@ -110,12 +110,8 @@ def position_limit(model: PreTrainedModel) -> tuple[int | None, str | None]:
     """``(limit, reason)``: the longest sequence (prompt + new tokens) verispec decodes exactly with this model,
     from its config, and why, when the limit is a rotary switch rather than the position table's size."""
     config = model.config.get_text_config()
-    limit = None
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            limit = value
-            break
+    limit = next((value for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len")
+                  if _positive_int(value := getattr(config, name, None))), None)
     switch = _rotary_switch(config)
     if switch is not None and (limit is None or switch < limit):
         return switch, (f"its longrope rotary scaling re-encodes every position once a sequence is longer than "
@@ -130,21 +126,20 @@ def _rotary_switch(config) -> int | None:
     if not isinstance(params, dict):
         return None
     per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
-    switches = []
-    for entry in per_layer:
-        if entry.get("rope_type") == "longrope":
-            value = entry.get("original_max_position_embeddings",
-                              getattr(config, "original_max_position_embeddings", None))
-            if isinstance(value, int) and value > 0:
-                switches.append(value)
-    return min(switches, default=None)
+    fallback = getattr(config, "original_max_position_embeddings", None)
+    return min((value for entry in per_layer if entry.get("rope_type") == "longrope"
+                if _positive_int(value := entry.get("original_max_position_embeddings", fallback))), default=None)
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _hole_size(model: PreTrainedModel, limit: int | None) -> int:
     """Masked slots to insert: more than any attention window the text config names, within the model's
     position range and the cap."""
     windows = [value for name, value in model.config.get_text_config().to_dict().items()
-               if "window" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0]
+               if "window" in name and _positive_int(value)]
     size = max([MIN_HOLE] + [w + 1 for w in windows])
     room = MAX_HOLE if limit is None else max(MIN_HOLE, min(MAX_HOLE, limit - 16))
     return min(size, room)

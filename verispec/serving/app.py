@@ -198,18 +198,10 @@ class Server:
                            f"characters fits this model's context of {self.max_context} tokens", param,
                            "context_length_exceeded")
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
-        if isinstance(prompt, str):
-            prompts = [self._encode(prompt)]
-        elif isinstance(prompt[0], str):
-            prompts = [self._encode(p) for p in prompt]
-        elif isinstance(prompt[0], int):
-            prompts = [list(prompt)]
-        else:
-            prompts = [list(p) for p in prompt]
+        one = isinstance(prompt, str) or isinstance(prompt[0], int)  # else a list of texts or of id lists
+        prompts = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
+                   for p in ([prompt] if one else prompt)]
         if any(not ids for ids in prompts):
             raise ApiError("the prompt is empty after tokenisation", "prompt", "invalid_value")
         return prompts

@@ -171,11 +171,12 @@ class Engine:
                 self._cancelled.add(key)
             self._cv.notify_all()
 
-    def _joining_locked(self) -> list[_Pending]:
-        """Waiting requests that take the free slots: one at a time to the group holding the fewest slots (of
-        two, the one waiting longer), never past a group's share."""
+    def _admit_locked(self) -> list[Row]:
+        """The waiting requests that take the free slots: one at a time to the group holding the fewest slots (of
+        two, the one waiting longer), never past a group's share. They count as running from the moment they
+        leave the queue."""
         joining = []
-        while self._waiting and self.running + len(joining) < self.max_batch_size:
+        while self._waiting and self.running < self.max_batch_size:
             open_groups = [(self._group_rows[group], order, group) for order, (group, queue) in
                            enumerate(self._waiting.items()) if self._group_rows[group] < self.max_rows_per_group]
             if not open_groups:
@@ -190,14 +191,9 @@ class Engine:
                 self._waiting[group] = queue
             pending.joined = True
             self._group_rows[group] += 1
-            joining.append(pending)
+            self.running += 1
+            joining.append(pending.row)
         return joining
-
-    def _admit_locked(self) -> list[Row]:
-        """Take the waiting requests that join now; they count as running from the moment they leave the queue."""
-        joining = self._joining_locked()
-        self.running += len(joining)
-        return [pending.row for pending in joining]
 
     def _loop(self) -> None:
         while True:

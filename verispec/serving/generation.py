@@ -110,6 +110,11 @@ class Choice:
     tools: ToolCallParser | None = None  # the text as content and tool calls, if the request parses tool calls
     provenance: ProvenanceLog | None = None  # each token's label, if the request asked for provenance
 
+    @property
+    def record(self) -> RowRecord:
+        """Its row's record; before the engine finished it, the tokens received."""
+        return self.stats or RowRecord(completion_tokens=self.received)
+
 
 class Generation:
     """The engine requests behind one HTTP request (one per choice) and the queue their events land in.
@@ -238,12 +243,9 @@ class Generation:
     def _finish(self, choice: Choice, event: FinishEvent) -> str:
         delta = choice.state.flush()
         choice.stats = event.stats
-        if choice.state.stop is not None:
-            choice.finish_reason = "stop"
-        elif event.reason in ("stop", "length", "error"):
-            choice.finish_reason = event.reason
-        else:  # cancelled by someone other than this request (e.g. the engine shutting down)
-            choice.finish_reason = "error"
+        # A request cancelled by someone other than this request (e.g. the engine shutting down) ends in error.
+        stopped = "stop" if choice.state.stop is not None else event.reason
+        choice.finish_reason = stopped if stopped in ("stop", "length") else "error"
         if event.error == INTERNAL_ERROR:  # the log line with the traceback names this request id
             choice.error = f"internal error (request id {self.request_id})"
         elif event.reason == "error" or choice.finish_reason == "error":
@@ -265,13 +267,13 @@ class Generation:
 
     def telemetry(self) -> Telemetry:
         """The ``verispec`` extension: speculative telemetry summed over the choices, and each choice's."""
-        return Telemetry.of(sum_records(c.stats or RowRecord(completion_tokens=c.received) for c in self.choices),
-                            mode=self.server.engine.decoder.mode, choices=[self.choice_telemetry(c) for c in self.choices])
+        return Telemetry.of(sum_records(c.record for c in self.choices), mode=self.server.engine.decoder.mode,
+                            choices=[self.choice_telemetry(c) for c in self.choices])
 
     @staticmethod
     def choice_telemetry(choice: Choice) -> ChoiceTelemetry:
         """The choice's telemetry, with (if asked) the provenance of its tokens not sent yet."""
-        record = choice.stats or RowRecord(completion_tokens=choice.received)  # not finished: the tokens received
+        record = choice.record
         return ChoiceTelemetry.of(record, index=choice.index, time_to_first_token_s=record.time_to_first_token_s,
                                   total_time_s=record.total_time_s, error=choice.error, tokens=_provenance(choice))
 
@@ -393,12 +395,10 @@ def _top_by_text(names, top: Sequence[tuple[int, float]]) -> dict[str, float]:
     return out
 
 
-# The request field a library ``ValueError`` is about, read off the first word of its message.
-_FIELDS = {"prompt": "prompt", "max_new_tokens": "max_tokens", "logit_bias": "logit_bias", "stop_token_ids":
-           "stop_token_ids", "min_tokens": "min_tokens", "temperature": "temperature", "top_k": "top_k", "top_p":
-           "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty", "frequency_penalty":
-           "frequency_penalty", "repetition_penalty": "repetition_penalty", "seed": "seed", "logprobs": "logprobs",
-           "eos_token_id": None}
+# The request field a library ``ValueError`` is about, read off the first word of its message (any other: None).
+_FIELDS = {"max_new_tokens": "max_tokens"} | {name: name for name in (
+    "prompt", "logit_bias", "stop_token_ids", "min_tokens", "temperature", "top_k", "top_p", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logprobs")}
 
 
 def _param_of(message: str, chat: bool) -> str | None:

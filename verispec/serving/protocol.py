@@ -160,15 +160,13 @@ class ResponseFormat(BaseModel):
     @property
     def grammar_spec(self) -> tuple[str, Any] | None:
         """``(kind, spec)`` for ``core.grammar.Grammar``, None for plain text; ValueError if a part is missing."""
-        if self.type == "text":
-            return None
-        needed = {"json_schema": self.json_schema, "regex": self.regex, "lark": self.grammar}
-        if self.type in needed and needed[self.type] is None:
-            field = {"lark": "grammar"}.get(self.type, self.type)
+        if self.type in ("text", "json_object"):
+            return None if self.type == "text" else (self.type, None)
+        part = {"json_schema": self.json_schema, "regex": self.regex, "lark": self.grammar}[self.type]
+        if part is None:
+            field = "grammar" if self.type == "lark" else self.type
             raise ValueError(f"response_format of type {self.type!r} needs '{field}'")
-        spec = {"json_object": None, "json_schema": self.json_schema and self.json_schema.json_schema,
-                "regex": self.regex, "lark": self.grammar}[self.type]
-        return self.type, spec
+        return self.type, part.json_schema if self.type == "json_schema" else part
 
 
 class SpeculationOptions(BaseModel):

@@ -27,6 +27,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..text import partial_mark
 from .errors import ApiError
 
 # llguidance writes arguments as the template's examples do: no free whitespace (a random model cannot pad a
@@ -194,7 +195,7 @@ class ToolCallParser:
             else:
                 start = self._buffer.find(open_tag)
                 if start < 0:
-                    keep = _tag_prefix_length(self._buffer, open_tag)
+                    keep = partial_mark(self._buffer, (open_tag,))
                     self._release(self._buffer[:len(self._buffer) - keep], content)
                     self._buffer = self._buffer[len(self._buffer) - keep:]
                     break
@@ -232,14 +233,6 @@ class ToolCallParser:
         if not isinstance(arguments, dict):
             return None
         return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _tag_prefix_length(text: str, tag: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for length in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-length:]):
-            return length
-    return 0
 
 
 def template_tools(tools: Sequence[Any]) -> tuple[dict, ...]:
