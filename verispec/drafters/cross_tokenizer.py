@@ -40,22 +40,25 @@ ANCHOR_MARGIN = 16  # draft tokens re-tokenised each step behind the text's end 
 TEXT_WINDOW = 8  # draft tokens decoded before the drafted ones, to cut the drafted text at the right character
 
 
-class _RowText:
-    """One row's committed text after its anchor: the draft tokens of the text before the anchor no longer
-    change, so only the text after it is kept and re-tokenised (a few dozen tokens, whatever the length)."""
+class _Row:
+    """One row: its committed target tokens, the draft tokens in the draft's cache, and its committed text after
+    its anchor: the draft tokens of the text before the anchor no longer change, so only the text after it is
+    kept and re-tokenised (a few dozen tokens, whatever the length)."""
 
-    def __init__(self, target_tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, target_tokenizer: PreTrainedTokenizerBase, prompt: list[int]) -> None:
+        self.committed = list(prompt)  # the target tokens committed so far
+        self.fed: list[int] = []  # the draft tokens in the draft's cache (its valid slots, in order)
+        self.synced = 0  # committed tokens the draft's cache has seen (its prompt is fed at its first proposal)
         self.pieces = IncrementalDecoder(target_tokenizer, skip_special_tokens=False)
         self.final = ""  # text after the anchor that later tokens cannot change
         self.decoded = 0  # committed tokens pushed into ``pieces``
         self.anchor_tokens = 0  # the text before the anchor is the first ``anchor_tokens`` draft tokens
 
-    def tail(self, committed: list[int]) -> str:
-        """The text of ``committed`` (which extends what this row saw before) after the anchor, as one decode
-        of all of it would give it."""
-        for token in committed[self.decoded:]:
+    def tail(self) -> str:
+        """The committed text after the anchor, as one decode of all of it would give it."""
+        for token in self.committed[self.decoded:]:
             self.final += self.pieces.push(token)
-        self.decoded = len(committed)
+        self.decoded = len(self.committed)
         return self.final + self.pieces.pending()
 
     def advance(self, offsets: list[tuple[int, int]] | None) -> None:
@@ -96,19 +99,13 @@ class CrossTokenizerDrafter(Drafter):
               vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.lm.reset(0)
-        self.committed: list[list[int]] = []  # per row: the target tokens committed so far
-        self.texts: list[_RowText] = []  # per row: its text, and the anchor of its draft tokens
-        self.fed: list[list[int]] = []  # per row: the draft tokens in the draft's cache (its valid slots, in order)
-        self.synced: list[int] = []  # per row: how many committed tokens the draft's cache has seen
+        self.rows: list[_Row] = []
         self._ready_logits: torch.Tensor | None = None  # [B, V_d] after a catch-up pass, for the next proposal
         self.add_rows(prompts, [])
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """New rows start with an empty draft cache: their prompt is fed at their first proposal."""
-        self.committed += [list(p) for p in prompts]
-        self.texts += [_RowText(self.target_tokenizer) for _ in prompts]
-        self.fed += [[] for _ in prompts]
-        self.synced += [0 for _ in prompts]
+        self.rows += [_Row(self.target_tokenizer, p) for p in prompts]
         empty = CachedLM(self.model, check=False)
         empty.reset(len(prompts))
         self.lm.append_rows(empty)
@@ -119,34 +116,29 @@ class CrossTokenizerDrafter(Drafter):
             return
         valid = self.lm.slot_mask[row].nonzero().squeeze(-1)  # [n] slot indices, in order
         self.lm.slot_mask[row, valid[-count:]] = False
-        del self.fed[row][-count:]
-
-    def _compact(self) -> None:
-        """Gather valid slots once holes take more than a third of the cache (as ``CachedLM`` does itself)."""
-        longest = int(self.lm.slot_mask.sum(dim=1).max()) if self.lm.batch_size else 0
-        if self.lm.num_slots > 1.5 * longest + 8:
-            self.lm.compact()
+        del self.rows[row].fed[-count:]
 
     def _sync(self) -> list[list[int]]:
         """Bring every row's draft cache in line with its committed text; returns the tokens to feed per row."""
         to_feed = []
-        for row, committed in enumerate(self.committed):
-            text, fed = self.texts[row], self.fed[row]
-            tail = text.tail(committed)
-            fast = self.draft_tokenizer.is_fast
-            encoded = self.draft_tokenizer(tail, add_special_tokens=False, return_offsets_mapping=fast)
+        fast = self.draft_tokenizer.is_fast
+        for b, row in enumerate(self.rows):
+            encoded = self.draft_tokenizer(row.tail(), add_special_tokens=False, return_offsets_mapping=fast)
             tail_ids = list(encoded["input_ids"]) or [0]
-            kept = min(common_prefix(fed[text.anchor_tokens:], tail_ids), len(tail_ids) - 1)  # feed >= 1 token
-            self._forget(row, len(fed) - text.anchor_tokens - kept)
+            kept = min(common_prefix(row.fed[row.anchor_tokens:], tail_ids), len(tail_ids) - 1)  # feed >= 1 token
+            self._forget(b, len(row.fed) - row.anchor_tokens - kept)
             to_feed.append(tail_ids[kept:])
-            text.advance(list(encoded["offset_mapping"]) if fast and encoded["input_ids"] else None)
-        self._compact()
+            row.advance(list(encoded["offset_mapping"]) if fast and encoded["input_ids"] else None)
+        # Gather valid slots once holes take more than a third of the cache (as ``CachedLM`` does itself).
+        longest = int(self.lm.slot_mask.sum(dim=1).max()) if self.lm.batch_size else 0
+        if self.lm.num_slots > 1.5 * longest + 8:
+            self.lm.compact()
         return to_feed
 
     def backlog(self) -> int:
         """All rows catch up in one padded pass, as wide as the row furthest behind. Counted in target tokens
         (the draft's own count is known only after re-tokenising, which costs as much as the sync itself)."""
-        behind = [len(c) - s for c, s in zip(self.committed, self.synced)]
+        behind = [len(row.committed) - row.synced for row in self.rows]
         return len(behind) * max(max(behind, default=1) - 1, 0)  # one token per row is fed by every step anyway
 
     def catch_up(self) -> int:
@@ -164,21 +156,21 @@ class CrossTokenizerDrafter(Drafter):
             ready, self._ready_logits = self._ready_logits, None
             return ready, 0
         ids, mask = left_pad(self._sync())  # [B, w]
-        first = torch.tensor([len(f) for f in self.fed])  # [B] position of each row's first fed token
+        first = torch.tensor([len(row.fed) for row in self.rows])  # [B] position of each row's first fed token
         logits = self.lm.forward(ids, mask, padded_positions(mask, first), 1)[:, -1]  # [B, V_d]
         self.calls += 1
-        for row in range(len(self.committed)):
-            self.fed[row] += ids[row][mask[row]].tolist()
-        self.synced = [len(c) for c in self.committed]
+        for b, row in enumerate(self.rows):
+            row.fed += ids[b][mask[b]].tolist()
+            row.synced = len(row.committed)
         return logits, ids.numel() - ids.shape[0]
 
     def _feed_drafted(self, step: torch.Tensor) -> torch.Tensor:
         """Feed each row's last drafted token ``step [B, 1]`` (draft ids): the draft's logits ``[B, V_d]`` after it."""
-        positions = torch.tensor([[len(f)] for f in self.fed])  # [B, 1]
+        positions = torch.tensor([[len(row.fed)] for row in self.rows])  # [B, 1]
         logits = self.lm.forward(step, torch.ones_like(step, dtype=torch.bool), positions, 1)[:, -1]
         self.calls += 1
-        for fed, token in zip(self.fed, step[:, 0].tolist()):
-            fed.append(token)
+        for row, token in zip(self.rows, step[:, 0].tolist()):
+            row.fed.append(token)
         return logits
 
     def _draft_text(self, contexts: list[list[int]], draft_ids: torch.Tensor) -> list[str]:
@@ -193,7 +185,7 @@ class CrossTokenizerDrafter(Drafter):
 
     def _target_tokens(self, row: int, text: str, k: int) -> list[int]:
         """The first ``k`` target tokens of ``text`` continuing row ``row``'s committed tokens."""
-        last = self.committed[row][-1:]
+        last = self.rows[row].committed[-1:]
         joined = self.target_tokenizer.encode(self.target_tokenizer.decode(last) + text, add_special_tokens=False)
         ids = joined[1:] if joined[:1] == last else self.target_tokenizer.encode(text, add_special_tokens=False)
         real = [t < self.vocab_size for t in ids] + [False]
@@ -202,10 +194,10 @@ class CrossTokenizerDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
-        k, rows = num_draft_tokens, len(self.committed)
+        k, rows = num_draft_tokens, len(self.rows)
         logits, _ = self._feed_committed()
         logits = logits[:, : self.draft_vocab]  # [B, V_d]
-        contexts = [f[-TEXT_WINDOW:] for f in self.fed]  # the end of the committed text, in draft tokens
+        contexts = [row.fed[-TEXT_WINDOW:] for row in self.rows]  # the end of the committed text, in draft tokens
         drafted = [logits.argmax(dim=-1)]  # [B] each
         for _ in range(k + self.extra_draft_tokens - 1):
             drafted.append(self._feed_drafted(drafted[-1][:, None])[:, : self.draft_vocab].argmax(dim=-1))
@@ -218,12 +210,9 @@ class CrossTokenizerDrafter(Drafter):
         return Proposal(draft_ids=target_ids, draft_probs=None, draft_lengths=lengths)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        for row, tokens in enumerate(new_tokens):
-            self.committed[row] += tokens
+        for row, tokens in zip(self.rows, new_tokens):
+            row.committed += tokens
 
     def select_rows(self, rows: list[int]) -> None:
         self.lm.select_rows(rows)
-        self.committed = [self.committed[r] for r in rows]
-        self.texts = [self.texts[r] for r in rows]
-        self.fed = [self.fed[r] for r in rows]
-        self.synced = [self.synced[r] for r in rows]
+        self.rows = [self.rows[r] for r in rows]

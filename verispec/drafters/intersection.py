@@ -108,7 +108,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
     @torch.inference_mode()
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
-        k, rows = num_draft_tokens, len(self.committed)
+        k, rows = num_draft_tokens, len(self.rows)
         logits, _ = self._feed_committed()  # [B, V_d]
         all_greedy = all(p.greedy for p in self.params)
         target_ids, target_probs = [], []
