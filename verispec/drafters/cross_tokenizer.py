@@ -30,7 +30,7 @@ from ..core.sampling import SamplingParams
 from ..models.cache import CachedLM, left_pad, padded_positions
 from ..models.capability import model_vocab_size
 from ..text import IncrementalDecoder
-from .base import Drafter, Proposal, common_prefix
+from .base import Drafter, Proposal, common_prefix, per_row
 
 if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
     from transformers import PreTrainedModel
@@ -45,7 +45,8 @@ class _Row:
     its anchor: the draft tokens of the text before the anchor no longer change, so only the text after it is
     kept and re-tokenised (a few dozen tokens, whatever the length)."""
 
-    def __init__(self, target_tokenizer: PreTrainedTokenizerBase, prompt: list[int]) -> None:
+    def __init__(self, target_tokenizer: PreTrainedTokenizerBase, prompt: list[int], sampling: SamplingParams) -> None:
+        self.sampling = sampling  # its sampling settings (the intersection drafter samples with them)
         self.committed = list(prompt)  # the target tokens committed so far
         self.fed: list[int] = []  # the draft tokens in the draft's cache (its valid slots, in order)
         self.synced = 0  # committed tokens the draft's cache has seen (its prompt is fed at its first proposal)
@@ -101,11 +102,11 @@ class CrossTokenizerDrafter(Drafter):
         self.lm.reset(0)
         self.rows: list[_Row] = []
         self._ready_logits: torch.Tensor | None = None  # [B, V_d] after a catch-up pass, for the next proposal
-        self.add_rows(prompts, [])
+        self.add_rows(prompts, per_row(sampling, len(prompts)))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """New rows start with an empty draft cache: their prompt is fed at their first proposal."""
-        self.rows += [_Row(self.target_tokenizer, p) for p in prompts]
+        self.rows += [_Row(self.target_tokenizer, p, s) for p, s in zip(prompts, sampling, strict=True)]
         empty = CachedLM(self.model, check=False)
         empty.reset(len(prompts))
         self.lm.append_rows(empty)

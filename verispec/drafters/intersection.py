@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
-from .base import Proposal, per_row
+from .base import Proposal
 from .cross_tokenizer import CrossTokenizerDrafter
 
 if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
@@ -91,13 +91,7 @@ class IntersectionDrafter(CrossTokenizerDrafter):
         usable = (draft_ids < self.draft_vocab) & (target_ids < vocab_size)  # ids both models can emit
         device = self.lm.device
         self.draft_ids, self.target_ids = draft_ids[usable].to(device), target_ids[usable].to(device)  # [S] each
-        self.params: list[SamplingParams] = []
         super().start(prompts, sampling, vocab_size)
-        self.params = per_row(sampling, len(prompts))
-
-    def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        super().add_rows(prompts, sampling)
-        self.params += list(sampling)
 
     def _shared_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits ``[B, V_d]`` over the shared tokens ``[B, S]``; a non-finite row becomes uniform
@@ -110,7 +104,8 @@ class IntersectionDrafter(CrossTokenizerDrafter):
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k, rows = num_draft_tokens, len(self.rows)
         logits, _ = self._feed_committed()  # [B, V_d]
-        all_greedy = all(p.greedy for p in self.params)
+        params = [row.sampling for row in self.rows]
+        all_greedy = all(p.greedy for p in params)
         target_ids, target_probs = [], []
         choice = torch.zeros(rows, dtype=torch.long)  # [B] each row's last draft, as an index into the shared tokens
         for j in range(k):
@@ -120,14 +115,10 @@ class IntersectionDrafter(CrossTokenizerDrafter):
             if all_greedy:
                 choice = shared.argmax(dim=-1)  # [B] index into the shared tokens
             else:  # greedy rows get one-hot distributions (zeros as uniforms pick their argmax)
-                probs = row_probs(shared, self.params)  # [B, S]
+                probs = row_probs(shared, params)  # [B, S]
                 choice = sample_from_probs(probs, uniforms[:, j])
                 full = torch.zeros(rows, self.vocab_size, device=probs.device)  # [B, V] in the target's ids
                 target_probs.append(full.index_copy_(1, self.target_ids, probs.float()))
             target_ids.append(self.target_ids[choice])
         return Proposal(draft_ids=torch.stack(target_ids, dim=1),  # [B, k] target ids
                         draft_probs=torch.stack(target_probs, dim=1) if target_probs else None)  # [B, k, V]
-
-    def select_rows(self, rows: list[int]) -> None:
-        super().select_rows(rows)
-        self.params = [self.params[r] for r in rows]

@@ -179,12 +179,10 @@ class ToolCallParser:
         open_tag, close_tag = self.format.open_tag, self.format.close_tag
         while True:
             if self._in_call:
-                end = self._buffer.find(close_tag)
-                if end < 0:
+                body, closed, rest = self._buffer.partition(close_tag)
+                if not closed:
                     break
-                body = self._buffer[:end]
-                self._buffer = self._buffer[end + len(close_tag):]
-                self._in_call = False
+                self._buffer, self._in_call = rest, False
                 call = self._call(body)
                 if call is None:
                     content.append(self._space + open_tag + body + close_tag)
@@ -193,15 +191,14 @@ class ToolCallParser:
                     new_calls.append(call)
                 self._space = ""
             else:
-                start = self._buffer.find(open_tag)
-                if start < 0:
-                    keep = partial_mark(self._buffer, (open_tag,))
-                    self._release(self._buffer[:len(self._buffer) - keep], content)
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                before, opened, rest = self._buffer.partition(open_tag)
+                if not opened:
+                    keep = len(before) - partial_mark(before, (open_tag,))
+                    self._release(before[:keep], content)
+                    self._buffer = before[keep:]
                     break
-                self._release(self._buffer[:start], content)
-                self._buffer = self._buffer[start + len(open_tag):]
-                self._in_call = True
+                self._release(before, content)
+                self._buffer, self._in_call = rest, True
         return "".join(content), new_calls
 
     def finish(self, text: str = "") -> tuple[str, list[ToolCall]]:

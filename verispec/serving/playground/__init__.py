@@ -41,24 +41,16 @@ def read(name: str) -> bytes:
 
 def add_playground(app: FastAPI, needs_key: bool) -> None:
     """Serve the page on ``app`` (its files read once, here); ``needs_key``: the API asks for a key."""
-    contents = {path: (read(name), media_type) for path, (name, media_type) in _FILES.items()}
 
-    def route(path: str) -> None:
-        body, media_type = contents[path]
-
+    def route(path: str, body: bytes, media_type: str, methods: list[str]) -> None:
         async def serve() -> Response:
             return Response(body, media_type=media_type, headers=_HEADERS)
 
-        app.add_api_route(path, serve, methods=["GET", "HEAD"], include_in_schema=False)
+        app.add_api_route(path, serve, methods=methods, include_in_schema=False)
 
-    for path in _FILES:
-        route(path)
-
-    settings = json.dumps({"api_key_required": needs_key}).encode()
-
-    @app.get(SETTINGS, include_in_schema=False)
-    async def page_settings() -> Response:
-        return Response(settings, media_type="application/json", headers=_HEADERS)
+    for path, (name, media_type) in _FILES.items():
+        route(path, read(name), media_type, ["GET", "HEAD"])
+    route(SETTINGS, json.dumps({"api_key_required": needs_key}).encode(), "application/json", ["GET"])
 
     @app.get("/", include_in_schema=False)
     async def root() -> RedirectResponse:
