@@ -51,16 +51,17 @@ def suffix_beside_model():
     return SuffixSettings(min_score=SUFFIX_OVER_MODEL_SCORE, max_spec_offset=0.0)
 
 
-def suffix_settings(pass_cost) -> Any:
+def suffix_settings(pass_cost, trees: bool = False) -> Any:
     """Suffix decoding's settings alone beside a target whose passes cost ``pass_cost(width, rows)``: a few guessed
     tokens past a match where they cost little, the match's evidence only where each costs a share of a pass, and
-    each draft cut to what its evidence pays for on this target (``SuffixSettings.pass_costs``)."""
+    each draft cut to what its evidence pays for on this target (``SuffixSettings.pass_costs``); with ``trees``
+    (a target that scores draft trees, ``TargetBackend.trees``), a tree where it pays more than the chain."""
     from .drafters.suffix import SuffixSettings
 
     one = pass_cost(1, 1)
     cheap = pass_cost(1 + GUESSED_TOKENS, 1) < CHEAP_GUESSES * one
     costs = tuple(pass_cost(1 + n, 1) / one for n in range(SuffixSettings.max_spec_tokens + 1))
-    return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0, pass_costs=costs)
+    return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0, pass_costs=costs, trees=trees)
 
 
 def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
@@ -262,7 +263,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
                           "share (exact)")
             draft_model = None
     if suffix:
-        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend.pass_cost, progress)
+        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend, progress)
         draft_model = None
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, bitwise=bitwise, **decoder_options)
@@ -307,7 +308,7 @@ def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokeni
 
 
 def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
-                    pass_cost, progress: Progress | None) -> Any:
+                    backend: Any, progress: Progress | None) -> Any:
     """Suffix decoding, alone or (given a draft) before it: ``CompositeDrafter(suffix, draft)``."""
     from .drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter
 
@@ -315,7 +316,7 @@ def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draf
     fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
     # Beside a model, suffix drafts only as long as their match (vLLM's offset 0): the offset's guesses after a
     # short match would score like a long copy and take rows from a model that is usually right.
-    settings = suffix_settings(pass_cost) if fallback is None else suffix_beside_model()
+    settings = suffix_settings(backend.pass_cost, backend.tree_branches > 1) if fallback is None else suffix_beside_model()
     suffix = SuffixDrafter(cache_size, scope, settings)
     say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
                   + ("; the model where it pays more, row by row" if fallback is not None else ""))

@@ -38,7 +38,8 @@ class SourceCounts:
         return out
 
 
-_SUMMED = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "target_passes", "num_drafts")
+_SUMMED = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "target_passes", "num_drafts",
+           "tree_drafts", "tree_nodes", "forks_won")
 
 
 @dataclass
@@ -56,6 +57,9 @@ class RowRecord:
     target_passes: int = 0  # target passes that committed tokens for the row
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: times draft i of a block was kept
     sources: dict[str, SourceCounts] = field(default_factory=dict)  # per drafter: its share of the drafting
+    tree_drafts: int = 0  # target passes in which the row's drafts were a tree (``core/tree.py``)
+    tree_nodes: int = 0  # ... their nodes, all branches
+    forks_won: int = 0  # ... passes whose accepted path left the first branch (tokens a chain would have lost)
     time_to_first_token_s: float | None = None  # from ``started`` (a row's own; not summed)
     total_time_s: float | None = None  # from ``started`` to its end, set by whoever ends it (the engine)
     started: float = field(default_factory=time.perf_counter, repr=False, compare=False)  # the row's creation
@@ -67,6 +71,13 @@ class RowRecord:
         self.target_passes += 1
         self.num_drafts += draft_length > 0
         _add_into(self.accepted_per_position, [1] * num_accepted)
+
+    def count_tree(self, nodes: int, fork_won: bool) -> None:
+        """One pass that scored a draft tree of ``nodes`` nodes for the row (its accepted depth is counted by
+        ``count_step``); ``fork_won``: the accepted path left the first branch."""
+        self.tree_drafts += 1
+        self.tree_nodes += nodes
+        self.forks_won += fork_won
 
     def count_source(self, name: str, **values: int) -> None:
         """Add to drafter ``name``'s share (created at first use): ``SourceCounts.add``'s arguments."""
@@ -111,7 +122,7 @@ def _from_rows(name: str, per_row: bool = False) -> property:
 _READ_OUT = ("draft_tokens", "accepted_tokens", "generated_tokens", "row_steps", "row_draft_tokens",
              "row_accepted_tokens", "row_target_passes", "acceptance_rate", "per_position_acceptance",
              "conditional_acceptance", "iid_acceptance", "mean_accepted_length", "tokens_per_target_pass",
-             "tokens_per_row_step", "tokens_per_second", "mean_draft_length")
+             "tokens_per_row_step", "tokens_per_second", "mean_draft_length", "tree_drafts", "tree_nodes", "forks_won")
 
 
 @dataclass
@@ -177,6 +188,9 @@ class GenerationStats:
     row_draft_tokens = _from_rows("draft_tokens", per_row=True)
     row_accepted_tokens = _from_rows("accepted_tokens", per_row=True)
     row_target_passes = _from_rows("target_passes", per_row=True)
+    tree_drafts = _from_rows("tree_drafts")  # a tree's nodes count as its draft tokens (``draft_tokens``)
+    tree_nodes = _from_rows("tree_nodes")
+    forks_won = _from_rows("forks_won")
 
     @property
     def sources(self) -> dict[str, SourceCounts]:

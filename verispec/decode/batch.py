@@ -27,6 +27,7 @@ from ..core.logprobs import TokenLogprob, emitted_logprobs
 from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
+from ..core import tree as trees
 from ..core.verify import VerifyResult, verify_greedy, without_filler
 from ..drafters import Drafter, Proposal, SourceDrafter
 from ..models.cache import Room, host_threads
@@ -37,7 +38,26 @@ from .clock import PhaseClock, sync
 from .row import Row, fit_prompts, pinned_length
 
 if TYPE_CHECKING:
+    from ..core.tree import DraftTree, TreeResult
     from ..models.backend import TargetBackend
+
+
+def _within_branches(parents: torch.Tensor, branches: int) -> torch.Tensor:
+    """``[B]``: per row, the most first nodes of its tree (``parents [B, k]``) with at most ``branches`` leaves (what
+    the target's cache scores in one pass, ``TargetBackend.tree_branches``): a node's first child extends its
+    branch, every later child opens one."""
+    bounds = []
+    for row in parents.tolist():
+        has_child, leaves, bound = set(), 1, len(row)
+        for node, parent in enumerate(row):
+            if parent in has_child:
+                leaves += 1
+                if leaves > branches:
+                    bound = node
+                    break
+            has_child.add(parent)
+        bounds.append(bound)
+    return torch.tensor(bounds, dtype=torch.long)
 
 
 class DecodeBatch:
@@ -183,36 +203,56 @@ class DecodeBatch:
             proposal.draft_probs = proposal.draft_probs.to(self.device)
         return proposal
 
-    def _score(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Target logits ``[B, k+1, V]`` for the last committed token and the k drafts, in one pass."""
+    def _score(self, draft_ids: torch.Tensor, tree: DraftTree | None = None) -> torch.Tensor:
+        """Target logits ``[B, k+1, V]`` for the last committed token and the k drafts, in one pass; for a draft
+        tree, each node at its depth's position, seeing its ancestors only."""
         started = self.clock.start()
         target_input = torch.cat([self.last_ids[:, None], draft_ids], dim=1)  # [B, k+1]
-        positions = (self.lengths - 1)[:, None] + torch.arange(target_input.shape[1], device=self.device)
-        logits = self.target.forward(target_input, torch.ones_like(target_input, dtype=torch.bool), positions)
+        ones = torch.ones_like(target_input, dtype=torch.bool)
+        if tree is None:
+            positions = (self.lengths - 1)[:, None] + torch.arange(target_input.shape[1], device=self.device)
+            logits = self.target.forward(target_input, ones, positions)
+        else:
+            depths = torch.cat([torch.zeros_like(self.lengths)[:, None], tree.depths().to(self.device)], dim=1)
+            real = torch.arange(target_input.shape[1], device=self.device) <= tree.sizes[:, None]  # [B, k+1]: no filler
+            logits = self.target.forward(target_input, real, (self.lengths - 1)[:, None] + depths,
+                                         among=tree.attention())
         self.stats.target_calls += 1
         self.clock.stop(started, self._add_target_time)
         return logits[..., : self.vocab_size]
 
     def _verify(self, proposal: Proposal, draft_lengths: torch.Tensor, target_logits: torch.Tensor,
-                uniforms: torch.Tensor | None, gamma: int) -> tuple[VerifyResult, torch.Tensor, torch.Tensor]:
-        """Verify the drafts; returns the result, ``[B]`` bool, the rows whose used target logits held NaN
-        or inf (zeroed first, so verification never emits an out-of-range id), and the processed target logits
-        ``[B, k+1, V]`` (what logprobs are read from)."""
+                uniforms: torch.Tensor | None, gamma: int,
+                tree: DraftTree | None = None) -> tuple[VerifyResult | TreeResult, torch.Tensor, torch.Tensor]:
+        """Verify the drafts (a chain, or ``tree``); returns the result, ``[B]`` bool, the rows whose used target
+        logits held NaN or inf (zeroed first, so verification never emits an out-of-range id), and the processed
+        target logits ``[B, k+1, V]`` of the emitted tokens' positions, in order (what logprobs are read from)."""
         k = proposal.draft_ids.shape[1]
         finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
         target_logits = torch.where(finite[..., None], target_logits, 0.0)
-        # Penalties, bias and min_tokens per position: position i sees the drafts before it (filler unseen).
-        target_logits = process_logits(target_logits, [row.sampling for row in self.rows],
-                                       [row.prompt for row in self.rows], [row.output for row in self.rows],
-                                       without_filler(proposal.draft_ids, draft_lengths))  # [B, k+1, V]
-        if uniforms is None:
-            result = verify_greedy(proposal.draft_ids, target_logits, draft_lengths)
+        params, prompts, outputs = [row.sampling for row in self.rows], [row.prompt for row in self.rows], \
+            [row.output for row in self.rows]
+        # Penalties, bias and min_tokens per position: position i sees the drafts before it (filler unseen); in a
+        # tree, its ancestors.
+        if tree is None:
+            target_logits = process_logits(target_logits, params, prompts, outputs,
+                                           without_filler(proposal.draft_ids, draft_lengths))  # [B, k+1, V]
         else:
-            target_probs = row_probs(target_logits, [row.sampling for row in self.rows])  # [B, k+1, V]
-            result = verify_rows(proposal.draft_ids, proposal.draft_probs, target_probs,
-                                 verify_uniforms(uniforms, gamma, k), draft_lengths, [row.verification for row in self.rows])
-        used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
-        return result, (~finite & used).any(dim=-1), target_logits
+            target_logits = trees.process_tree_logits(target_logits, params, prompts, outputs, tree)  # [B, k+1, V]
+        if uniforms is None:
+            result = (verify_greedy(proposal.draft_ids, target_logits, draft_lengths) if tree is None
+                      else trees.verify_tree_greedy(tree, target_logits))
+        else:
+            target_probs = row_probs(target_logits, params)  # [B, k+1, V]
+            tests = verify_uniforms(uniforms, gamma, k)  # [B, k+1]
+            result = (verify_rows(proposal.draft_ids, proposal.draft_probs, target_probs, tests, draft_lengths,
+                                  [row.verification for row in self.rows]) if tree is None
+                      else trees.verify_tree_from_uniforms(tree, target_probs, tests))
+        if tree is None:
+            used = torch.arange(k + 1, device=self.device) <= result.num_accepted[:, None]  # [B, k+1]
+            return result, (~finite & used).any(dim=-1), target_logits
+        used = torch.zeros_like(finite).scatter_(1, result.positions.clamp(min=0), result.positions >= 0)  # [B, k+1]
+        return result, (~finite & used).any(dim=-1), trees.path_logits(target_logits, result)
 
     def _draft_lengths(self, room: Room | None) -> tuple[list[int], list[float] | None, SourceDecision | None]:
         """Each row's draft length this step, with early stops on each row's threshold (``Drafter.propose``'s
@@ -287,21 +327,33 @@ class DecodeBatch:
             k = proposal.draft_ids.shape[1]  # a drafter may propose fewer columns (e.g. no n-gram match anywhere)
             caps = torch.tensor(row_gammas, device=self.device).clamp(max=k)  # [B]
             lengths = caps if proposal.draft_lengths is None else torch.minimum(proposal.draft_lengths.to(self.device), caps)
+            # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
+            draft_ids = without_filler(proposal.draft_ids, lengths)  # [B, k]
+            tree = None  # a tree's first ``lengths[b]`` nodes are a tree: cut as a chain is
+            if proposal.parents is not None and k:
+                lengths = torch.minimum(lengths, _within_branches(proposal.parents, self.backend.tree_branches)
+                                        .to(self.device))
+                tree = trees.DraftTree(draft_ids, proposal.parents.to(self.device), lengths, proposal.draft_probs)
             with host_threads(self.backend):
-                # Filler past a row's length may be any value (-1, ids beyond the vocabulary): never feed it.
-                target_logits = self._score(without_filler(proposal.draft_ids, lengths))  # [B, k+1, V]
+                target_logits = self._score(draft_ids, tree)  # [B, k+1, V]
         with host_threads(self.backend):
             return ended + self._finish_step(rows, proposal, lengths, target_logits, uniforms, gamma, row_gammas,
-                                             plan, catch_up_fed, catch_up_seconds, step_start, waited)
+                                             plan, catch_up_fed, catch_up_seconds, step_start, waited, tree)
 
     def _finish_step(self, rows: list[Row], proposal: Proposal, lengths: torch.Tensor, target_logits: torch.Tensor,
                      uniforms: torch.Tensor | None, gamma: int, row_gammas: list[int], plan: SourceDecision | None,
                      catch_up_fed: int, catch_up_seconds: list[float], step_start: float,
-                     waited: float) -> list[Row]:
+                     waited: float, tree: DraftTree | None = None) -> list[Row]:
         """Verification, bookkeeping and the controller's observations of a step whose target pass ran."""
         k = proposal.draft_ids.shape[1]
         t0 = time.perf_counter()
-        result, target_bad, target_logits = self._verify(proposal, lengths, target_logits, uniforms, gamma)
+        result, target_bad, target_logits = self._verify(proposal, lengths, target_logits, uniforms, gamma, tree)
+        if tree is not None:  # the pass's columns the rows keep: the root and the accepted path
+            keep = torch.zeros(len(rows), k + 1, dtype=torch.bool, device=self.device)  # [B, k+1]
+            keep[:, 0] = True
+            keep.scatter_(1, result.path_nodes.clamp(min=-1) + 1, True)  # -1 (no node) lands on the root
+            self.target.drop(keep)
+            self._count_tree(tree, result)
         # The step's single host sync: everything the bookkeeping needs, in one transfer.
         host = torch.cat(
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
@@ -342,6 +394,17 @@ class DecodeBatch:
             asked = 0 if counted else 1  # a lookup's consultation is counted where it was asked
             row.record.count_source(name, consulted=asked, hits=asked and length > 0, draft_length=length,
                                     accepted=kept)
+
+    def _count_tree(self, tree: DraftTree, result: TreeResult) -> None:
+        """Per row that drafted a tree: its nodes, and whether the accepted path left the first branch (a fork the
+        chain would have lost: each node's first child is the chain's continuation)."""
+        parents, sizes, paths = tree.parents.tolist(), tree.sizes.tolist(), result.path_nodes.tolist()
+        for row, row_parents, size, path in zip(self.rows, parents, sizes, paths):
+            if size:
+                first_child = {}
+                for node, parent in enumerate(row_parents[:size]):
+                    first_child.setdefault(parent, node)
+                row.record.count_tree(size, any(n >= 0 and first_child[row_parents[n]] != n for n in path))
 
     def _catch_up(self, plan: SourceDecision | None, add_seconds: Callable[[float], None]) -> int:
         """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,

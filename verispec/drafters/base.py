@@ -25,6 +25,9 @@ class Proposal:
     draft_probs: torch.Tensor | None  # [B, k, V] float32 distributions sampled from; None = deterministic
     draft_lengths: torch.Tensor | None = None  # [B] int64, tokens really proposed per row; None = all k
     sources: list[str] | None = None  # per row, the name of the drafter that proposed it (telemetry); None: own
+    # [B, k] int64: a draft tree (``core/tree.py``): node j's parent, -1 for the row's last token, always < j, so
+    # any first n nodes are a tree; None: chains (node j's parent is j - 1)
+    parents: torch.Tensor | None = None
 
 
 class Drafter(ABC):

@@ -10,14 +10,21 @@ from ..core.sampling import SamplingParams
 from .base import Drafter, Proposal
 
 
-def lookup_proposal(found: list[list[int]]) -> Proposal:
-    """A deterministic proposal from per-row token lists (of any lengths; empty = nothing proposed)."""
+def lookup_proposal(found: list[list[int]], parents: list[list[int] | None] | None = None) -> Proposal:
+    """A deterministic proposal from per-row token lists (of any lengths; empty = nothing proposed); with
+    ``parents`` (per row, its nodes' parent indices, or None for a chain), a tree proposal."""
     width = max((len(f) for f in found), default=0)
     draft_ids = torch.zeros(len(found), width, dtype=torch.long)  # [B, width]
     for b, tokens in enumerate(found):
         draft_ids[b, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     lengths = torch.tensor([len(f) for f in found], dtype=torch.long)  # [B]
-    return Proposal(draft_ids=draft_ids, draft_probs=None, draft_lengths=lengths)
+    tree = None
+    if parents is not None and any(p is not None for p in parents):
+        tree = torch.arange(-1, width - 1).repeat(len(found), 1)  # [B, width]: chains unless a row has a tree
+        for b, (row, tokens) in enumerate(zip(parents, found)):
+            if row is not None:
+                tree[b, : len(tokens)] = torch.tensor(row[: len(tokens)], dtype=torch.long)
+    return Proposal(draft_ids=draft_ids, draft_probs=None, draft_lengths=lengths, parents=tree)
 
 
 class NGramIndex:

@@ -89,6 +89,11 @@ class SuffixSettings:
     # unit of cost are highest, and dropped where none beats the target alone: each draft pays for its own pass by
     # its own evidence (its tokens' estimated probabilities), so weak short matches cost nothing.
     pass_costs: tuple[float, ...] = ()
+    # Also speculate a tree (arctic-inference's ``use_tree_spec``: the suffix tree's likeliest nodes, best first,
+    # within the same node budget) and propose it where it is expected to commit more per unit of pass cost than
+    # the chain (``SuffixDraft.rate``): where a wider pass costs little, the forks a chain misses come free. Needs
+    # a target that scores trees (``TargetBackend.trees``; the factory sets it).
+    trees: bool = False
 
     def __post_init__(self) -> None:
         if self.max_depth < 1 or self.max_spec_tokens < 1:
@@ -107,6 +112,18 @@ class SuffixDraft:
     match_len: int  # tokens of the row's text the continuation was matched on
     source: str  # "request" (the row's own text) or "responses" (its scope's responses, its own so far included)
     probs: list[float] = field(default_factory=list)  # each token's estimated probability of being reached and kept
+    parents: list[int] | None = None  # a tree's parent per node (-1: the row's last token; best first); None: a chain
+
+    def rate(self, pass_costs: Sequence[float]) -> float:
+        """Expected tokens committed per unit of pass cost (per one-token pass); the score without costs."""
+        if not pass_costs:
+            return self.score
+        return (1.0 + self.score) / pass_costs[min(len(self.token_ids), len(pass_costs) - 1)]
+
+    def cut(self, n: int) -> SuffixDraft:
+        """The first ``n`` nodes (a tree's first nodes are a tree: each parent comes before its children)."""
+        return SuffixDraft(self.token_ids[:n], sum(self.probs[:n]), self.match_len, self.source, self.probs[:n],
+                           None if self.parents is None else self.parents[:n])
 
     def worth(self, pass_costs: Sequence[float]) -> SuffixDraft | None:
         """This draft cut to the prefix that commits the most expected tokens per unit of pass cost (``pass_costs``
@@ -118,18 +135,20 @@ class SuffixDraft:
             tokens += prob
             if tokens / pass_costs[n] > best_rate:
                 best, best_rate = n, tokens / pass_costs[n]
-        if not best:
-            return None
-        return SuffixDraft(self.token_ids[:best], sum(self.probs[:best]), self.match_len, self.source,
-                           self.probs[:best])
+        return self.cut(best) if best else None
 
 
 def _speculate(cache: SuffixDecodingCache, request_id: int, context: list[int], settings: SuffixSettings,
-               source: str) -> SuffixDraft | None:
+               source: str, tree: bool = False) -> SuffixDraft | None:
     draft = cache.speculate(request_id, context, settings.max_spec_tokens, settings.max_spec_factor,
-                            settings.max_spec_offset, settings.min_token_prob, False)
+                            settings.max_spec_offset, settings.min_token_prob, tree)
+    if not draft.token_ids:
+        return None
+    parents = [int(p) for p in draft.parents] if tree else None
+    if parents is not None and parents == list(range(-1, len(parents) - 1)):
+        parents = None  # a tree of one branch is a chain
     return SuffixDraft(list(draft.token_ids), float(draft.score), int(draft.match_len), source,
-                       [float(p) for p in draft.probs]) if draft.token_ids else None
+                       [float(p) for p in draft.probs], parents)
 
 
 @dataclass
@@ -206,10 +225,10 @@ class ResponseTrees:
         scope.tokens.pop(request_id, None)
         self.evicted += 1
 
-    def speculate(self, scope: _Scope, request_id: int, context: list[int],
-                  settings: SuffixSettings) -> SuffixDraft | None:
+    def speculate(self, scope: _Scope, request_id: int, context: list[int], settings: SuffixSettings,
+                  tree: bool = False) -> SuffixDraft | None:
         with self._lock:
-            return _speculate(scope.cache, request_id, context, settings, "responses")
+            return _speculate(scope.cache, request_id, context, settings, "responses", tree)
 
     def size(self) -> dict[str, int]:
         """Scopes, responses and their tokens held now, and responses still being written (rows running)."""
@@ -311,17 +330,26 @@ class SuffixDrafter(Drafter):
         return self._drafts
 
     def _best(self, row: _Row) -> SuffixDraft | None:
+        """The row's chain, or with ``settings.trees`` its tree where that is expected to commit more per unit of
+        pass cost (ties: the chain)."""
+        best = self._best_of(row, tree=False)
+        if self.settings.trees:
+            tree = self._best_of(row, tree=True)
+            costs = self.settings.pass_costs
+            if tree is not None and tree.parents is not None and (best is None or tree.rate(costs) > best.rate(costs)):
+                best = tree
+        return best
+
+    def _best_of(self, row: _Row, tree: bool) -> SuffixDraft | None:
         context = row.context[-self.settings.max_depth:]
-        best = _speculate(self._texts, row.request_id, context, self.settings, "request")
+        best = _speculate(self._texts, row.request_id, context, self.settings, "request", tree)
         if row.reads_responses:
-            other = self.trees.speculate(row.scope, row.request_id, context, self.settings)
+            other = self.trees.speculate(row.scope, row.request_id, context, self.settings, tree)
             if other is not None and (best is None or other.score > best.score):  # ties: the row's own text
                 best = other
         if best is not None and self.vocab_size is not None and max(best.token_ids) >= self.vocab_size:
-            cut = next(i for i, t in enumerate(best.token_ids) if t >= self.vocab_size)
-            best.token_ids, best.score = best.token_ids[:cut], best.score * cut / len(best.token_ids)
-            best.probs = best.probs[:cut]
-            best = best if cut else None
+            best = best.cut(next(i for i, t in enumerate(best.token_ids) if t >= self.vocab_size))
+            best = best if best.token_ids else None
         return best.worth(self.settings.pass_costs) if best is not None else None
 
     def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
@@ -333,8 +361,10 @@ class SuffixDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """A continuation's length is already set by its match and its tokens' estimated probabilities:
-        ``stop_below`` is ignored."""
-        return lookup_proposal(self.lookups(num_draft_tokens))
+        ``stop_below`` is ignored. A row's tree (``settings.trees``) comes with its parents."""
+        found = self.lookups(num_draft_tokens)
+        return lookup_proposal(found, [d.parents if d is not None and f else None
+                                       for d, f in zip(self.drafts(), found)])
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         """Each row's emitted tokens enter its own text and its scope's responses: its committed tokens up to

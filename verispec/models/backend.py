@@ -15,6 +15,9 @@ what it is (``hasattr``) or how it is built.
 - ``pass_cost(width, rows)``: seconds of a scoring pass of that shape, measured on this machine
   (``models/pass_cost.py``), the draft planner's input;
 - ``host_threads``: torch threads for the loop's own work around a pass (None: torch's setting);
+- ``tree_branches``: the most branches (leaves) of a row's draft tree its cache scores in one pass
+  (``forward(..., among=)``: each node sees its ancestors only) before keeping the accepted path (``drop``); 1:
+  chains only (checked on the model itself, failing closed);
 - ``mode`` and ``pass_cap``: the exactness mode in force (``MODES``) and, in the bitwise mode, the most tokens one
   kernel call scores (the probed batch-invariant size; None: passes are whole);
 - ``close()``: frees the weights (a context manager too).
@@ -46,6 +49,7 @@ BITWISE = "bitwise"  # opt-in
 MODES = (IN_DISTRIBUTION, BITWISE)
 PROBE_MOST = 16  # the widest call the torch bitwise probe tries
 PROBE_DEPTHS = (5, 37)  # cached tokens before its block
+TREE_BRANCHES = 64  # a torch cache's bound on a tree's branches: a mask column each, no other resource
 
 
 @runtime_checkable
@@ -55,6 +59,7 @@ class TargetBackend(Protocol):
     device: torch.device
     host_threads: int | None
     pass_cap: int | None
+    tree_branches: int
 
     @property
     def mode(self) -> str: ...
@@ -121,6 +126,12 @@ class TorchBackend:
         from .cache import CachedLM
 
         return CachedLM(self.model, pass_cap=self.pass_cap)
+
+    @property
+    def tree_branches(self) -> int:
+        """Any number of branches where a tree pass scores every node as its own path's chain would
+        (``tree_scoring_exact``), else 1 (chains)."""
+        return TREE_BRANCHES if tree_scoring_exact(self.model, self.pass_cap) else 1
 
     def pass_cost(self, width: int, rows: int = 1) -> float:
         curve = torch_pass_cost(self.model)
@@ -200,6 +211,52 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
         cache.close()
     _CAPS[model] = cap
     return cap
+
+
+_TREES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def tree_scoring_exact(model: PreTrainedModel, pass_cap: int | None = None) -> bool:
+    """Whether ``model`` scores a draft tree in one pass (a 4-D attention mask, per-node positions) as each of its
+    root-to-leaf paths scored as a chain: a fork of two branches of two tokens after a few cached tokens, compared
+    per path to the chain in the same mode (bitwise in the bitwise mode, where a chain is one-token decoding; within
+    a thousandth of the logits' scale otherwise, far below what a family that ignores the mask would move).
+    Fails closed (False: the planner proposes chains only). Checked once per model and mode."""
+    key = (pass_cap,)
+    known = _TREES.get(model, {})
+    if key in known:
+        return known[key]
+    from ..core.tree import DraftTree
+    from .cache import CachedLM
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    context = torch.randint(vocab, (1, 6), generator=generator)  # [1, 6]: 5 cached, then the root
+    nodes = torch.randint(vocab, (1, 4), generator=generator)  # [1, 4]: a fork, two tokens per branch
+    tree = DraftTree(nodes, torch.tensor([[-1, -1, 0, 1]]), torch.tensor([4]))
+    ok = True
+    try:
+        with CachedLM(model, pass_cap=pass_cap) as cache:
+            cache.reset(1)
+            cache.forward(context[:, :5], torch.ones(1, 5, dtype=torch.bool), torch.arange(5)[None])
+            ids = torch.cat([context[:, 5:], nodes], dim=1)  # [1, 5]
+            depths = torch.cat([torch.zeros(1, 1, dtype=torch.long), tree.depths()], dim=1)
+            scored = cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), 5 + depths, among=tree.attention())
+        for path in ([0, 1, 3], [0, 2, 4]):  # columns: the root, then each branch's nodes
+            with CachedLM(model, pass_cap=pass_cap) as cache:
+                cache.reset(1)
+                chain = torch.cat([context, ids[:, path[1:]]], dim=1)  # [1, 8]
+                logits = cache.forward(chain, torch.ones_like(chain, dtype=torch.bool), torch.arange(8)[None])[:, 5:]
+            if pass_cap is not None:
+                ok &= torch.equal(logits, scored[:, path])
+            else:
+                ok &= bool((logits - scored[:, path]).abs().max() <= 1e-3 * (1.0 + logits.abs().max()))
+    except Exception:  # noqa: BLE001 - a family whose forward refuses a 4-D mask scores chains only
+        ok = False
+    known[key] = ok
+    _TREES[model] = known
+    return ok
 
 
 def pass_difference(backend: TargetBackend, prompt: list[int], block: list[int]) -> float:

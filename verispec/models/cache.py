@@ -159,37 +159,70 @@ class CachedLM:
         input_mask: torch.Tensor,  # [B, n] bool, False for padding / holes
         position_ids: torch.Tensor,  # [B, n]
         num_logits: int | None = None,  # keep logits for only the last positions (prefill needs none)
+        among: torch.Tensor | None = None,  # [B, n, n] bool: which of the pass's columns each sees (a draft tree)
     ) -> torch.Tensor:
         """Append ``n`` slots per row and return float32 logits ``[B, num_logits or n, V]``.
 
+        ``among`` (a draft tree's ``DraftTree.attention()``): column i attends to the cached slots and to the
+        pass's columns j with ``among[b, i, j]`` (its ancestors and itself), not the causal prefix; positions
+        come from ``position_ids`` (a node's depth), so each node is scored as its own path would be.
         Positions past the model's limit are clamped to its last position. Callers refuse requests that would
         need them, so only filler columns get there (a row drafting fewer tokens than the batch's block, near
         the end of its context); clamped, a filler column can neither index past a learned position table
         nor switch a length-dependent rotary scaling (longrope) for every row of the pass."""
         step = max(1, self.pass_cap // input_ids.shape[0]) if self.pass_cap else input_ids.shape[1]
+        cached = self.slot_mask  # [B, S]: what every column of the pass sees besides the pass itself
         if input_ids.shape[1] > step:  # the bitwise mode: calls the kernels score as one-token decoding
             logits = torch.cat([self._call(input_ids[:, i:i + step], input_mask[:, i:i + step],
-                                           position_ids[:, i:i + step], 0)
+                                           position_ids[:, i:i + step], 0,
+                                           None if among is None else (cached, among[:, i:i + step, :i + step]))
                                 for i in range(0, input_ids.shape[1], step)], dim=1)  # [B, n, V]
             return logits[:, -num_logits:] if num_logits else logits
-        return self._call(input_ids, input_mask, position_ids, num_logits)
+        return self._call(input_ids, input_mask, position_ids, num_logits,
+                          None if among is None else (cached, among))
 
     @torch.inference_mode()
     def _call(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
-              num_logits: int | None) -> torch.Tensor:
-        """One model call of ``forward``."""
+              num_logits: int | None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One model call of ``forward``; ``tree``: the slots cached before the pass ``[B, S]`` and what this
+        call's columns see of the pass's columns so far ``[B, c, n']``."""
         if self._last_position is not None:
             position_ids = position_ids.clamp(max=self._last_position)
         self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
+        mask = self.slot_mask.to(torch.long)
+        if tree is not None:
+            mask = self._tree_mask(*tree, self.slot_mask[:, tree[0].shape[1]:])
         out = self.model(
             input_ids=input_ids.to(self.device),
-            attention_mask=self.slot_mask.to(torch.long),
+            attention_mask=mask,
             position_ids=position_ids.to(self.device),
             cache=self.cache,
             use_cache=True,
             logits_to_keep=num_logits or 0,
         )
         return out.logits.float()
+
+    def _tree_mask(self, cached: torch.Tensor, among: torch.Tensor, passed: torch.Tensor) -> torch.Tensor:
+        """The 4-D mask ``[B, 1, c, S + n']`` of a tree pass's call (``transformers`` uses a 4-D mask as given):
+        every column sees the valid cached slots and, of the pass's columns, those ``among`` allows that are
+        valid (``passed``, their input mask) and itself. Boolean (True: attend) as ``transformers`` builds it for
+        SDPA-style attention, additive for eager attention."""
+        calls = among.shape[1]
+        own = torch.eye(among.shape[2], dtype=torch.bool, device=self.device)[-calls:]  # [c, n']
+        sees = torch.cat([cached[:, None].expand(-1, calls, -1),
+                          (among.to(self.device) & passed[:, None]) | own], dim=2)[:, None]  # [B, 1, c, S + n']
+        if getattr(self.model.config, "_attn_implementation", None) != "eager":
+            return sees
+        dtype = self.model.dtype
+        return torch.zeros(sees.shape, dtype=dtype, device=self.device).masked_fill(~sees, torch.finfo(dtype).min)
+
+    @torch.inference_mode()
+    def drop(self, keep: torch.Tensor) -> None:
+        """``keep [B, n]`` bool over the last pass's ``n`` columns: the others become holes (a draft tree's
+        branches that were not accepted); call before ``rollback``, which then counts only the kept."""
+        width = keep.shape[1]
+        self.slot_mask = torch.cat([self.slot_mask[:, :-width], self.slot_mask[:, -width:] & keep.to(self.device)],
+                                   dim=1)
 
     def prefill(self, prompts: list[list[int]]) -> bool:
         """Fresh rows: append every prompt token but the last (which opens the row's first block), computing no

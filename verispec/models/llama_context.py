@@ -60,6 +60,8 @@ def _lib():
     return llama_cpp
 
 
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids of one context
+BRANCHES_PER_ROW = 4  # spare sequence ids per row for a draft tree's branches beyond its first
 DEFAULT_ROW_CTX = 4096  # a row's KV cells when ``n_ctx`` is not given ...
 KV_BUDGET = 65536  # ... unless that many rows would hold more cells than this: the budget is then shared out
 
@@ -110,6 +112,14 @@ class LlamaSettings:
         """The KV memory's cells in all (a stream per row: ``row_ctx`` each)."""
         return self.row_ctx() * (self.n_seq_max if self.per_row_streams() else 1)
 
+    def branch_seqs(self) -> int:
+        """Spare sequence ids for draft trees' branches (``LlamaCache``): ``BRANCHES_PER_ROW`` per row, within
+        llama.cpp's ``LLAMA_MAX_SEQ``; none with a stream per row (a stream's sequence cannot share cells) or in the
+        bitwise mode (trees there are not probed)."""
+        if self.per_row_streams() or self.bitwise:
+            return 0
+        return min(BRANCHES_PER_ROW * self.n_seq_max, MAX_SEQ - self.n_seq_max)
+
 
 @dataclass(frozen=True)
 class Regime:
@@ -127,10 +137,12 @@ class Regime:
 class _Context:
     """One ``llama_context`` and a reusable ``llama_batch``; not thread-safe (callers hold the model lock)."""
 
-    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, unified: bool = True) -> None:
+    def __init__(self, model: LlamaModel, n_ctx: int, n_seq_max: int, unified: bool = True,
+                 branches: int = 0) -> None:
+        """``n_seq_max`` rows' sequences, and ``branches`` more ids (``LlamaSettings.branch_seqs``)."""
         lib, s = _lib(), model.settings
         params = lib.llama_context_default_params()
-        params.n_ctx, params.n_seq_max = n_ctx, n_seq_max
+        params.n_ctx, params.n_seq_max = n_ctx, n_seq_max + branches
         params.n_batch = params.n_ubatch = s.n_batch
         params.n_threads = params.n_threads_batch = s.threads()
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -142,7 +154,7 @@ class _Context:
         self.memory = lib.llama_get_memory(self.ctx)
         self.n_vocab = model.n_vocab
         self.capacity = s.n_batch
-        self.batch = lib.llama_batch_init(self.capacity, 0, 1)
+        self.batch = lib.llama_batch_init(self.capacity, 0, n_seq_max + branches)  # a tree's root is in every branch
         self.n_seq_max, self.unified = n_seq_max, unified
         self.cells = int(lib.llama_n_ctx_seq(self.ctx))  # KV cells of the memory (of each row's stream, unified off)
         self.n_ctx = s.row_ctx()
@@ -165,16 +177,21 @@ class _Context:
             lib.llama_free(self.ctx)
             self.ctx = None
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int],
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int | Sequence[int]],
                outputs: Sequence[bool]) -> np.ndarray:
-        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order. ``CacheFullError`` when
-        the memory has no cells for the tokens (llama.cpp then restores the memory as it was); ``RuntimeError``
-        for any other failure (the ubatches processed before it stay in the memory: the caller removes them)."""
+        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order; ``seqs[i]``: the token's
+        sequence, or sequences (a tree node: one per branch through it; it attends to the cells of the first).
+        ``CacheFullError`` when the memory has no cells for the tokens (llama.cpp then restores the memory as it
+        was); ``RuntimeError`` for any other failure (the ubatches processed before it stay in the memory: the
+        caller removes them)."""
         lib, batch, n = _lib(), self.batch, len(tokens)
         assert 0 < n <= self.capacity
         for i in range(n):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tokens[i], positions[i], 1
-            batch.seq_id[i][0], batch.logits[i] = seqs[i], bool(outputs[i])
+            ids = (seqs[i],) if isinstance(seqs[i], int) else seqs[i]
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = tokens[i], positions[i], len(ids), \
+                bool(outputs[i])
+            for j, seq in enumerate(ids):
+                batch.seq_id[i][j] = seq
         batch.n_tokens = n
         status = lib.llama_decode(self.ctx, batch)
         if status == 1:
@@ -191,6 +208,11 @@ class _Context:
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         """Drop positions ``[start, end)`` of ``seq`` (``-1``: open-ended)."""
         _lib().llama_memory_seq_rm(self.memory, seq, start, end)
+
+    def share(self, source: int, target: int, start: int = -1, end: int = -1) -> None:
+        """``target`` sees ``source``'s cells at positions ``[start, end)`` too (one memory: no copy, the cells
+        gain a sequence id)."""
+        _lib().llama_memory_seq_cp(self.memory, source, target, start, end)
 
     def prompt_logits(self, tokens: Sequence[int], seq: int, first_position: int = 0) -> np.ndarray:
         """Evaluate one row's tokens as llama.cpp's generation loop does (``n_batch`` at a time); logits of the

@@ -97,8 +97,9 @@ class LlamaModel:
             self.generation_config = SimpleNamespace(eos_token_id=self.eos_ids)
             self.n_ctx_train = int(lib.llama_model_n_ctx_train(self.model))
             s = self.settings
-            self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.per_row_streams())
+            self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.per_row_streams(), s.branch_seqs())
             self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
+            self._free_branches = list(range(s.n_seq_max, s.n_seq_max + s.branch_seqs()))  # trees' extra branches
             self.regime = probe_regime(self) if probe and s.bitwise else None
             self._pass_cost: PassCostCurve | None = None
             if probe:  # a target: its pass cost measured now, while every sequence is free (the planner's input)
@@ -136,6 +137,12 @@ class LlamaModel:
         if self.n_ctx_train and self.n_ctx_train < self.settings.row_ctx():
             return f"the GGUF's context length is {self.n_ctx_train} tokens"
         return f"the llama.cpp context holds {self.settings.row_ctx()} tokens a row (load with a larger n_ctx)"
+
+    @property
+    def tree_branches(self) -> int:
+        """The most branches (leaves) a row's draft tree may have in one pass: its own sequence and
+        ``BRANCHES_PER_ROW`` spare ones (``LlamaCache``); 1 (chains only) without spare ids."""
+        return 1 + self.settings.branch_seqs() // self.settings.n_seq_max
 
     @property
     def pass_cap(self) -> int | None:
@@ -197,6 +204,20 @@ class LlamaModel:
                                    "(the command line: --max-batch-size when serving, --batch-size for a batch job)")
             return [self._free_seqs.pop() for _ in range(count)]
 
+    def _acquire_branches(self, count: int) -> list[int]:
+        with self.lock:
+            if count > len(self._free_branches):
+                raise RuntimeError(f"{count} spare sequence ids asked for draft tree branches, "
+                                   f"{len(self._free_branches)} free")
+            return [self._free_branches.pop() for _ in range(count)]
+
+    def _release_branches(self, seqs: Sequence[int]) -> None:
+        with self.lock:
+            for seq in seqs:
+                if self.context is not None:
+                    self.context.remove(seq, -1, -1)
+                self._free_branches.append(seq)
+
     def _release(self, seqs: Sequence[int]) -> None:
         with self.lock:
             for seq in seqs:
@@ -204,6 +225,17 @@ class LlamaModel:
                     self.context.remove(seq, -1, -1)
                 self._free_seqs.append(seq)
             self._free_seqs.sort(reverse=True)
+
+
+@dataclass
+class _Tree:
+    """A row's draft tree in the memory, between its pass and ``drop``."""
+
+    root: int  # the root's position
+    seqs: list[int]  # one per branch: the row's own first, then spare ids
+    leaves: list[int]  # the branches' leaf columns, in that order
+    sees: list[list[bool]]  # [n][n]: column i attends to column j (its ancestors and itself)
+    positions: list[int]  # [n]: each column's position
 
 
 @dataclass
@@ -222,6 +254,7 @@ class LlamaCache:
         self.device = model.device
         self.rows: list[_Row] = []
         self.opened = 0  # rows whose last forward opened with logits kept from their prefill (no pass for them)
+        self._trees: dict[int, _Tree] = {}  # row index -> its draft tree of the last pass, until ``drop``
 
     @property
     def batch_size(self) -> int:
@@ -234,6 +267,7 @@ class LlamaCache:
     def close(self) -> None:
         """Give every row's sequence back to the model now (its memory freed); the cache holds no rows afterwards
         (``reset`` opens it again). Closing twice is harmless."""
+        self._free_branches()
         rows, self.rows = self.rows, []
         if rows:
             self.model._release([row.seq for row in rows])
@@ -276,13 +310,21 @@ class LlamaCache:
         return any(len(p) > 1 for p in prompts)
 
     def forward(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
-                num_logits: int | None = None) -> torch.Tensor:
+                num_logits: int | None = None, among: torch.Tensor | None = None) -> torch.Tensor:
         """Append each row's unmasked tokens (positions continue the row's own) and return float32 logits
         ``[B, num_logits or n, V]`` (zeros at masked columns); llama.cpp computes logits for those columns only.
         Scoring passes are cut to ``model.pass_cap``. Columns past a row's last cell (``max_positions``) are filler
         of a wider block than the row's own (its drafts stay within its budget): they get zero logits and no cell.
         If a call fails (``CacheFullError``: no KV cells left), the cache is as it was before: the tokens earlier
-        calls of this pass appended are removed again."""
+        calls of this pass appended are removed again.
+
+        ``among [B, n, n]`` (a draft tree, ``CachedLM.forward``'s): each branch (root-to-leaf path) of a row's tree
+        is a sequence id, the row's own for the first and a spare one for each other (at most
+        ``model.tree_branches`` in all), which sees the row's cells; a node is stored once, in the sequences of
+        the branches through it, so it attends to its ancestors only (as llama.cpp's own tree speculation
+        does), at the position ``position_ids`` gives (its depth). ``drop`` then keeps the accepted path."""
+        if among is not None:
+            return self._forward_tree(input_ids, input_mask, position_ids, among)
         ids, mask = input_ids.tolist(), input_mask.tolist()  # [B, n]
         n = len(ids[0]) if ids else 0
         limit = self.model.max_positions  # a row's last cell; past it only filler columns (zero logits, not stored)
@@ -323,6 +365,85 @@ class LlamaCache:
                 self._restore(before)
                 raise
         return torch.from_numpy(logits)
+
+    def _forward_tree(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
+                      among: torch.Tensor) -> torch.Tensor:
+        ids, mask, positions, sees = input_ids.tolist(), input_mask.tolist(), position_ids.tolist(), among.tolist()
+        n = len(ids[0]) if ids else 0
+        limit = self.model.max_positions
+        logits = np.zeros((len(self.rows), n, self.model.n_vocab), dtype=np.float32)  # [B, n, V]
+        work: list[tuple[int, int, int, int, tuple[int, ...]]] = []  # (row, column, token, position, sequences)
+        with self.model.lock:
+            context = self.model.context
+            self._free_branches()
+            before = [(row.length, row.opening) for row in self.rows]
+            self.opened = sum(row.opening is not None for row in self.rows)
+            try:
+                for b, row in enumerate(self.rows):
+                    columns = [j for j in range(n) if mask[b][j] and positions[b][j] < limit]
+                    if not columns:
+                        continue
+                    # The leaves: columns no other column descends from; the first is the row's own sequence.
+                    leaves = [j for j in columns if not any(sees[b][i][j] for i in columns if i != j)]
+                    if len(leaves) > self.model.tree_branches:
+                        raise ValueError(f"row {b}'s draft tree has {len(leaves)} branches; this model scores at most "
+                                         f"{self.model.tree_branches}")
+                    seqs = [row.seq] + self.model._acquire_branches(len(leaves) - 1)
+                    self._trees[b] = _Tree(positions[b][columns[0]], seqs, leaves, sees[b], positions[b])
+                    if row.opening is not None:  # the root is in memory already, in the row's sequence only
+                        token, opening_logits = row.opening
+                        first = columns.pop(0)
+                        if ids[b][first] != token:
+                            raise ValueError(f"row {b} opens with token {ids[b][first]}, but its prompt ends with {token}")
+                        logits[b, first] = opening_logits
+                        row.opening = None
+                    for seq in seqs[1:]:  # every branch sees the row's cells (its root too, if opened)
+                        context.share(row.seq, seq)
+                    for j in columns:
+                        work.append((b, j, ids[b][j], positions[b][j],
+                                     tuple(seq for seq, leaf in zip(seqs, leaves) if sees[b][leaf][j])))
+                    row.length = max(positions[b][j] for j in columns) + 1
+                for start in range(0, len(work), context.capacity):
+                    chunk = work[start:start + context.capacity]
+                    out = context.decode([w[2] for w in chunk], [w[3] for w in chunk], [w[4] for w in chunk],
+                                         [True] * len(chunk))
+                    for (b, j, _, _, _), row_logits in zip(chunk, out):
+                        logits[b, j] = row_logits
+            except BaseException:
+                self._free_branches()
+                self._restore(before)
+                raise
+        return torch.from_numpy(logits)
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """``keep [B, n]`` bool over the last tree pass's columns (the root and the accepted path): the row's
+        sequence keeps the accepted path's cells, every other branch leaves the memory and its spare id goes
+        back. Rows without a tree are untouched; ``rollback`` follows as after a chain."""
+        kept = keep.tolist()
+        with self.model.lock:
+            context = self.model.context
+            for b, tree in self._trees.items():
+                path = [j for j, k in enumerate(kept[b]) if k and tree.positions[j] > tree.root]
+                if path:  # the branch through the deepest kept node holds the whole path
+                    deepest = max(path, key=lambda j: tree.positions[j])
+                    winner = next(seq for seq, leaf in zip(tree.seqs, tree.leaves) if tree.sees[leaf][deepest])
+                    if winner == self.rows[b].seq:  # its own branch: only what lies past the path goes
+                        context.remove(winner, tree.positions[deepest] + 1, -1)
+                    else:
+                        context.remove(self.rows[b].seq, tree.root + 1, -1)
+                        context.share(winner, self.rows[b].seq, tree.root + 1, tree.positions[deepest] + 1)
+                    self.rows[b].length = tree.positions[deepest] + 1
+                else:
+                    context.remove(self.rows[b].seq, tree.root + 1, -1)
+                    self.rows[b].length = tree.root + 1
+            self._free_branches()
+
+    def _free_branches(self) -> None:
+        """Every spare branch of the last tree pass leaves the memory and goes back to the model."""
+        trees, self._trees = self._trees, {}
+        spare = [seq for tree in trees.values() for seq in tree.seqs[1:]]
+        if spare:
+            self.model._release_branches(spare)
 
     def _restore(self, before: list[tuple[int, tuple[int, np.ndarray] | None]]) -> None:
         """Undo a failed forward: each row's ``(length, opening)`` before it, and nothing after in the memory

@@ -1,0 +1,218 @@
+"""Draft trees through the decode loop (``core/tree.py``, ``decode/batch.py``), on both backends: greedy output is
+the target's own, token for token, whatever the tree's shape and wherever its right branch is.
+
+``ForkDrafter`` knows each row's reference continuation (the plain loop's output) and proposes a tree around it:
+at each depth the right token among wrong siblings in random order, wrong branches that run on, and a path that
+breaks at random, so the accepted path often leaves the first branch (a fork a chain would have lost). On torch the
+output must equal the plain loop's exactly; on llama.cpp (the tiny GGUF, default mode) every divergence must be
+at a near-tie, as ``tests/models/test_modes.py`` asks of chains.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf: a fixture
+from tiny_models import build  # noqa: E402
+
+from verispec.decode import SpeculativeDecoder  # noqa: E402
+from verispec.decode.batch import _within_branches  # noqa: E402
+from verispec.drafters import Drafter, Proposal  # noqa: E402
+from verispec.drafters.ngram import lookup_proposal  # noqa: E402
+from verispec.models.backend import backend_of, pass_difference  # noqa: E402
+from verispec.models.llamacpp import LlamaModel, LlamaSettings  # noqa: E402
+from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent  # noqa: E402
+
+PROMPTS = [[40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41], [7, 8, 9, 7, 8, 9, 7],
+           [200, 17, 33, 200, 17, 33, 5, 6, 200, 17], [*range(100, 140)] * 2]
+NEAR_TIE = 4.0  # as test_modes.py: a divergence at a gap within this many measured pass differences
+
+
+class ForkDrafter(Drafter):
+    """Trees around each row's reference continuation (see the module); ``references`` maps a prompt (as a
+    tuple) to its reference output. ``break_rate``: how often the right token is left out at a depth."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int, seed: int = 0,
+                 break_rate: float = 0.15) -> None:
+        self.references, self.vocab, self.break_rate = references, vocab, break_rate
+        self.random = random.Random(seed)
+        self.rows: list[tuple[list[int], list[int]]] = []  # (reference, output so far)
+        self.trees = 0  # proposals with a fork
+
+    def start(self, prompts, sampling, vocab_size) -> None:
+        self.rows = []
+        self.add_rows(prompts, sampling)
+
+    def add_rows(self, prompts, sampling) -> None:
+        self.rows += [(self.references[tuple(prompt)], []) for prompt in prompts]
+
+    def _wrong(self, right: int) -> int:
+        token = self.random.randrange(self.vocab - 1)
+        return token + (token >= right)
+
+    def _tree(self, reference: list[int], done: int, most: int) -> tuple[list[int], list[int]]:
+        tokens, parents, parent, position = [], [], -1, done
+        while len(tokens) < most and position < len(reference):
+            right = reference[position]
+            siblings = [right] + [self._wrong(right) for _ in range(self.random.randrange(3))]
+            self.random.shuffle(siblings)
+            if self.random.random() < self.break_rate:
+                siblings.remove(right)
+            right_node = None
+            for token in siblings:
+                if len(tokens) == most:
+                    break
+                tokens.append(token)
+                parents.append(parent)
+                if token == right:
+                    right_node = len(tokens) - 1
+                elif len(tokens) < most and self.random.random() < 0.3:  # a wrong branch that runs on
+                    tokens.append(self._wrong(right))
+                    parents.append(len(tokens) - 2)
+            if right_node is None:
+                break
+            parent, position = right_node, position + 1
+        return tokens, parents
+
+    def propose(self, num_draft_tokens, uniforms, stop_below=None) -> Proposal:
+        found = [self._tree(reference, len(output), num_draft_tokens) for reference, output in self.rows]
+        self.trees += sum(len(set(parents)) < len(parents) for _, parents in found)
+        return lookup_proposal([tokens for tokens, _ in found], [parents for _, parents in found])
+
+    def update(self, num_accepted, new_tokens) -> None:
+        for (_, output), tokens in zip(self.rows, new_tokens):
+            output.extend(tokens)
+
+    def select_rows(self, rows) -> None:
+        self.rows = [self.rows[r] for r in rows]
+
+    def fork(self) -> ForkDrafter:
+        return ForkDrafter(self.references, self.vocab)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, event: TokensEvent | FinishEvent) -> None:
+        if isinstance(event, TokensEvent):
+            self.tokens.extend(event.tokens)
+        else:
+            self.done.set()
+
+
+def references(decoder: SpeculativeDecoder, prompts, max_new_tokens: int, **options) -> list[list[int]]:
+    return decoder.generate(prompts, max_new_tokens=max_new_tokens, draft=None, **options).tokens
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("nodes", [3, 8, 16])
+def test_greedy_trees_equal_the_target_alone(kind: str, nodes: int) -> None:
+    """A batch of rows of mixed prompt lengths drafting trees of up to ``nodes`` nodes: the target's own greedy
+    output, and forks won (the accepted path left the first branch) are counted."""
+    model = build(kind)
+    decoder = SpeculativeDecoder(model, num_draft_tokens=nodes)
+    assert decoder.target.tree_branches > 1
+    plain = references(decoder, PROMPTS, 40)
+    drafter = ForkDrafter(dict(zip(map(tuple, PROMPTS), plain)), vocab=model.config.vocab_size, seed=nodes)
+    out = decoder.generate(PROMPTS, max_new_tokens=40, draft=drafter)
+    assert out.tokens == plain
+    assert drafter.trees > 0 and out.stats.tree_drafts > 0 and out.stats.forks_won > 0
+    assert out.stats.accepted_tokens > 0 and out.stats.tree_nodes == out.stats.draft_tokens
+
+
+def test_eos_inside_an_accepted_branch_ends_the_row() -> None:
+    """EOS at every position of a row's reference in turn: the row stops there (the tree's branch runs past it,
+    the tokens after EOS are neither emitted nor fed back to the drafter)."""
+    model = tiny_hf_model()
+    decoder = SpeculativeDecoder(model, num_draft_tokens=8)
+    prompt = PROMPTS[0]
+    plain = references(decoder, [prompt], 20)[0]
+    for position in range(0, 20, 3):
+        eos = plain[position]
+        expected = plain[: plain.index(eos) + 1]
+        drafter = ForkDrafter({tuple(prompt): plain}, vocab=model.config.vocab_size, seed=position)
+        out = decoder.generate([prompt], max_new_tokens=20, eos_token_id=eos, draft=drafter)
+        assert out.tokens[0] == expected and out.finish_reasons[0] == "stop"
+        assert drafter.rows == [] or drafter.rows[0][1] == expected
+
+
+def test_rows_joining_a_running_batch_keep_their_tree_greedy_output() -> None:
+    """Continuous batching with tree drafts: requests join the engine's running batch one after another and
+    each gets the plain loop's output."""
+    model = tiny_hf_model()
+    decoder = SpeculativeDecoder(model, num_draft_tokens=8)
+    plain = references(decoder, PROMPTS, 24)
+    drafter = ForkDrafter(dict(zip(map(tuple, PROMPTS), plain)), vocab=model.config.vocab_size)
+    engine = Engine(SpeculativeDecoder(model, drafter=drafter, num_draft_tokens=8), max_batch_size=4)
+    engine.start()
+    try:
+        collectors = []
+        for prompt in PROMPTS:  # each submitted once the batch runs: it joins between steps
+            collectors.append(Collector())
+            engine.submit(EngineRequest(prompt, max_new_tokens=24), collectors[-1])
+        for collector in collectors:
+            assert collector.done.wait(300)
+    finally:
+        engine.shutdown()
+    results = collectors
+    assert [result.tokens for result in results] == plain
+    assert drafter.trees > 0
+
+
+def test_a_tree_is_cut_to_the_branches_the_target_scores() -> None:
+    """``_within_branches``: the most first nodes whose tree has at most that many leaves."""
+    parents = torch.tensor([[-1, -1, -1, 0, 0, 3], [-1, 0, 1, 2, 3, 4]])  # three root children; a chain
+    assert _within_branches(parents, 1).tolist() == [1, 6]
+    assert _within_branches(parents, 2).tolist() == [2, 6]
+    assert _within_branches(parents, 3).tolist() == [4, 6]  # node 3 extends node 0's branch: still three
+    assert _within_branches(parents, 4).tolist() == [6, 6]
+
+
+@pytest.fixture(scope="module")
+def llama_target(tiny_gguf):
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=1024, n_threads=2, n_seq_max=len(PROMPTS)))
+    yield model
+    model.close()
+
+
+def plain_gap(model, prompt: list[int], tokens: list[int]) -> float:
+    """The plain loop's top-2 logit gap before the last of ``tokens``."""
+    with backend_of(model).new_cache() as cache:
+        cache.reset(1)
+        cache.prefill([prompt])
+        context = [*prompt]
+        for token in tokens:
+            ids = torch.tensor([[context[-1]]])
+            logits = cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[len(context) - 1]]))
+            context.append(token)
+        top2 = logits[0, -1].topk(2).values
+        return float(top2[0] - top2[1])
+
+
+def test_llama_cpp_trees_part_from_the_plain_loop_only_at_near_ties(llama_target) -> None:
+    """llama.cpp scores a batch's trees in one memory, a sequence id per branch (at most ``tree_branches``): each
+    row's greedy output equals the plain loop's until its first divergence, which is at a near-tie; the spare
+    sequence ids all go back and the memory holds only the rows' own cells afterwards."""
+    model = llama_target
+    assert model.tree_branches == 5
+    decoder = SpeculativeDecoder(model, num_draft_tokens=12)
+    plain = references(decoder, PROMPTS, 32)
+    drafter = ForkDrafter(dict(zip(map(tuple, PROMPTS), plain)), vocab=model.vocab_size)
+    out = decoder.generate(PROMPTS, max_new_tokens=32, draft=drafter)
+    assert drafter.trees > 0 and out.stats.forks_won > 0
+    bound = max(pass_difference(backend_of(model), prompt, prompt[:width]) for prompt in PROMPTS for width in (2, 8))
+    for prompt, expected, got in zip(PROMPTS, plain, out.tokens):
+        first = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        if first is not None:
+            assert plain_gap(model, prompt, expected[:first + 1]) <= NEAR_TIE * bound
+    assert sorted(model._free_branches) == list(range(model.settings.n_seq_max, model.settings.n_seq_max + 4 * len(PROMPTS)))
+    assert model.context.used_cells() == 0  # every row's cells and every branch's went back
