@@ -42,6 +42,18 @@ SUFFIX_OVER_MODEL_SCORE = 3.0
 # Suffix decoding guesses this many tokens past a short match's evidence where a pass of 1 + that many tokens costs
 # less than CHEAP_GUESSES times a one-token pass (benchmarks/suffix/tune.py); elsewhere it drafts its evidence only.
 GUESSED_TOKENS, CHEAP_GUESSES = 4, 1.5
+# Prompt lookup proposes a tree of its match's last LOOKUP_MATCHES occurrences where the target scores trees and a
+# pass of 1 + LOOKUP_TREE_WIDTH tokens costs less than CHEAP_GUESSES one-token passes: the extra branches come
+# almost free there; elsewhere each node costs a share of a pass, and the most recent match's chain is proposed.
+LOOKUP_MATCHES, LOOKUP_TREE_WIDTH = 3, 8
+
+
+def lookup_matches(backend: Any) -> int:
+    """How many earlier occurrences prompt lookup's tree merges on this target (1: a chain)."""
+    if backend.tree_branches < 2:
+        return 1
+    cheap = backend.pass_cost(1 + LOOKUP_TREE_WIDTH, 1) < CHEAP_GUESSES * backend.pass_cost(1, 1)
+    return min(LOOKUP_MATCHES, backend.tree_branches) if cheap else 1
 
 
 def suffix_beside_model():
@@ -245,7 +257,10 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft = None
     drafter, draft_model = None, None
     if draft == "ngram":
-        drafter = NGramDrafter()
+        drafter = NGramDrafter(matches=lookup_matches(backend))
+        if drafter.matches > 1:
+            say(progress, f"draft: prompt lookup, a tree of its match's last {drafter.matches} continuations (a "
+                          f"{1 + LOOKUP_TREE_WIDTH}-token pass costs under {CHEAP_GUESSES} one-token passes here)")
     elif draft not in (None, "none"):
         loaded = _load_llama_draft(draft, target_model, tokenizer, progress) if on_llama and is_gguf(draft) else None
         if loaded is None:

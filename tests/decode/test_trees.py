@@ -216,3 +216,23 @@ def test_llama_cpp_trees_part_from_the_plain_loop_only_at_near_ties(llama_target
             assert plain_gap(model, prompt, expected[:first + 1]) <= NEAR_TIE * bound
     assert sorted(model._free_branches) == list(range(model.settings.n_seq_max, model.settings.n_seq_max + 4 * len(PROMPTS)))
     assert model.context.used_cells() == 0  # every row's cells and every branch's went back
+
+
+FORKED = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [30, 31, 32, 30, 31, 33, 30, 31, 32, 34, 30, 31] * 2]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_lookup_and_suffix_trees_keep_greedy_output(drafter: str) -> None:
+    """Prompt lookup (its match's last three continuations merged) and suffix decoding (arctic-inference's tree,
+    proposed where it beats the chain) on prompts whose matches fork: trees drafted, output the target's own."""
+    from verispec.drafters import NGramDrafter
+    from verispec.drafters.suffix import SuffixDrafter, SuffixSettings
+
+    model = tiny_hf_model()
+    make = {"ngram": lambda: NGramDrafter(matches=3),
+            "suffix": lambda: SuffixDrafter(settings=SuffixSettings(trees=True, max_spec_offset=4.0))}
+    decoder = SpeculativeDecoder(model, drafter=make[drafter](), num_draft_tokens=8)
+    plain = references(decoder, FORKED, 32)
+    out = decoder.generate(FORKED, max_new_tokens=32)
+    assert out.tokens == plain
+    assert out.stats.tree_drafts > 0

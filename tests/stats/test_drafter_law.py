@@ -71,3 +71,28 @@ def test_sampled_tokens_follow_the_target_law(name: str, settings) -> None:
             counts[tuple(tokens)] += 1
         p_value = _chi_square_p(counts, law)
         assert p_value > 1e-6, (context, p_value)
+
+
+# Prompt lookup trees: each context's last bigram occurred twice before with different continuations, so the first
+# step drafts a tree of two branches (one-hot siblings, recursive rejection over them) and later steps trees or
+# chains as the rows' own tokens add occurrences.
+TREE_CONTEXTS = ([1, 5, 2, 1, 5, 3, 1, 5], [6, 2, 4, 6, 2, 7, 0, 6, 2])
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampled_tokens_follow_the_target_law_with_lookup_trees(settings) -> None:
+    target = build("qwen2", seed=3, vocab_size=SMALL_VOCAB)
+    params = SamplingParams(**settings)
+    prompts = [TREE_CONTEXTS[0]] * ROWS_PER_CONTEXT + [TREE_CONTEXTS[1]] * ROWS_PER_CONTEXT
+    out = SpeculativeDecoder(target, drafter=NGramDrafter(matches=3), num_draft_tokens=4).generate(
+        prompts, max_new_tokens=NEW, seed=12, **settings
+    )
+    assert out.stats.tree_drafts >= 2 * ROWS_PER_CONTEXT and out.stats.forks_won > 0
+    assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate
+    for c, context in enumerate(TREE_CONTEXTS):
+        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
+            counts[tuple(tokens)] += 1
+        p_value = _chi_square_p(counts, law)
+        assert p_value > 1e-6, (context, p_value)

@@ -34,9 +34,11 @@ class NGramIndex:
     Each token added is indexed once (``max_ngram`` dictionary writes), and a lookup is ``max_ngram`` dictionary
     reads: the same answer as scanning the history backwards, in O(1) per step instead of O(length)."""
 
-    def __init__(self, min_ngram: int, max_ngram: int) -> None:
-        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+    def __init__(self, min_ngram: int, max_ngram: int, matches: int = 1) -> None:
+        self.min_ngram, self.max_ngram, self.matches = min_ngram, max_ngram, matches
         self.last_start: dict[tuple[int, ...], int] = {}
+        # with ``matches`` > 1: the n-gram's earlier starts too, newest last (``lookup_tree``)
+        self.starts: dict[tuple[int, ...], list[int]] = {}
         self.indexed = 0  # n-grams ending before position ``indexed`` are in ``last_start``
         self.work = 0  # dictionary writes and reads so far (tests bound the work per token with it)
 
@@ -51,11 +53,43 @@ class NGramIndex:
                 return list(history[start + n : start + n + k])
         return []
 
+    def lookup_tree(self, history: Sequence[int], k: int) -> tuple[list[int], list[int]]:
+        """A draft tree of at most ``k`` nodes, ``(tokens, parents)``: the continuations of the longest matching
+        suffix's last ``matches`` occurrences merged where they agree, laid out breadth first (a short budget
+        holds each one's next token before any one's later ones), the most recent first among siblings (its
+        branch is ``lookup``'s chain as far as the budget reaches)."""
+        self._index(history, len(history) - 1)
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            self.work += 1
+            starts = self.starts.get(tuple(history[-n:]))
+            if starts:
+                break
+        else:
+            return [], []
+        continuations = [history[start + n : start + n + k] for start in reversed(starts)]
+        tokens, parents, children = [], [], {}  # children: (parent, token) -> node
+        at = [-1] * len(continuations)  # each continuation's node so far (None: it ran out of the budget)
+        for depth in range(k):  # breadth first, so a tight budget still holds every match's next token
+            for c, continuation in enumerate(continuations):
+                if at[c] is None or depth >= len(continuation):
+                    continue
+                node = children.get((at[c], continuation[depth]))
+                if node is None and len(tokens) < k:
+                    node = children[(at[c], continuation[depth])] = len(tokens)
+                    tokens.append(continuation[depth])
+                    parents.append(at[c])
+                at[c] = node
+        return tokens, parents
+
     def _index(self, history: Sequence[int], end: int) -> None:
         """Record the n-grams ending before ``end`` (their last token at ``end - 1`` or earlier)."""
         for stop in range(self.indexed + 1, end + 1):  # n-grams history[stop - n : stop]
             for n in range(self.min_ngram, min(self.max_ngram, stop) + 1):
                 self.last_start[tuple(history[stop - n : stop])] = stop - n
+                if self.matches > 1:
+                    starts = self.starts.setdefault(tuple(history[stop - n : stop]), [])
+                    starts.append(stop - n)
+                    del starts[:-self.matches]
                 self.work += 1
         self.indexed = max(self.indexed, end)
 
@@ -65,21 +99,24 @@ class NGramDrafter(Drafter):
     propose what followed its most recent earlier occurrence. Deterministic: proposals enter verification
     as one-hot distributions, so sampling stays exact.
 
-    Rows without a match propose nothing that step (the target then emits one token for them).
+    Rows without a match propose nothing that step (the target then emits one token for them). With
+    ``matches`` > 1 (for a target whose wider passes cost little and that scores trees: the factory's choice), a
+    row proposes a tree of its match's last ``matches`` occurrences' continuations (``NGramIndex.lookup_tree``).
     """
 
     free = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, matches: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram or matches < 1:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram and matches >= 1, got {min_ngram}, {max_ngram}, "
+                             f"{matches}")
+        self.max_ngram, self.min_ngram, self.matches = max_ngram, min_ngram, matches
         self.calls = 0
         self.histories: list[list[int]] = []
         self.indexes: list[NGramIndex] = []  # per row, over its history
 
     def fork(self) -> NGramDrafter:
-        return NGramDrafter(self.max_ngram, self.min_ngram)
+        return NGramDrafter(self.max_ngram, self.min_ngram, self.matches)
 
     def start(self, prompts: list[list[int]], sampling: SamplingParams, vocab_size: int) -> None:
         self.histories, self.indexes = [], []
@@ -93,15 +130,20 @@ class NGramDrafter(Drafter):
     def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
         """Per row, what ``lookup`` finds ([] = no match): what the composite asks of its primary drafter
         (a match has no score: ``min_score`` is ignored)."""
+        if self.matches > 1:
+            return [index.lookup_tree(h, num_draft_tokens)[0] for index, h in zip(self.indexes, self.histories)]
         return [index.lookup(h, num_draft_tokens) for index, h in zip(self.indexes, self.histories)]
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         self.histories += [list(p) for p in prompts]
-        self.indexes += [NGramIndex(self.min_ngram, self.max_ngram) for _ in prompts]
+        self.indexes += [NGramIndex(self.min_ngram, self.max_ngram, self.matches) for _ in prompts]
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """Lookups have no confidence to stop on: ``stop_below`` is ignored."""
+        if self.matches > 1:
+            found = [index.lookup_tree(h, num_draft_tokens) for index, h in zip(self.indexes, self.histories)]
+            return lookup_proposal([tokens for tokens, _ in found], [parents for _, parents in found])
         return lookup_proposal(self.lookups(num_draft_tokens))
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
