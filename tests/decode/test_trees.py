@@ -100,12 +100,16 @@ class ForkDrafter(Drafter):
 class Collector:
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.kinds: list[tuple[str, bool]] = []  # each token's provenance: its kind, and whether a tree's
+        self.finish: FinishEvent | None = None
         self.done = threading.Event()
 
     def __call__(self, event: TokensEvent | FinishEvent) -> None:
         if isinstance(event, TokensEvent):
             self.tokens.extend(event.tokens)
+            self.kinds += [(event.block.kind(i), event.block.tree) for i in range(len(event.tokens))]
         else:
+            self.finish = event
             self.done.set()
 
 
@@ -166,6 +170,14 @@ def test_rows_joining_a_running_batch_keep_their_tree_greedy_output() -> None:
     results = collectors
     assert [result.tokens for result in results] == plain
     assert drafter.trees > 0
+    # Provenance: tree passes are marked, their accepted tokens are the record's, and each pass emits one token
+    # of the target's own (a bonus after a leaf, else recovered).
+    for collector in collectors:
+        record = collector.finish.stats
+        assert sum(kind == "accepted" for kind, _ in collector.kinds) == record.accepted_tokens
+        assert sum(kind != "accepted" for kind, _ in collector.kinds) == record.target_passes
+    assert any(tree and kind == "accepted" for c in collectors for kind, tree in c.kinds)
+    assert any(tree and kind == "bonus" for c in collectors for kind, tree in c.kinds)
 
 
 def test_a_tree_is_cut_to_the_branches_the_target_scores() -> None:

@@ -155,6 +155,14 @@ def test_block_labels(draft_length, accepted, kinds) -> None:
     assert [block.kind(i) for i in range(accepted + 1)] == kinds
 
 
+@pytest.mark.parametrize("final", ["bonus", "recovered"])
+def test_tree_block_labels(final) -> None:
+    """A draft tree's pass: its accepted path's tokens, then the kind the batch found (the bonus after a leaf,
+    though fewer than all nodes were kept; recovered where the path's last node had children)."""
+    block = Block(2, 7, 2, tree_final=final)
+    assert block.tree and [block.kind(i) for i in range(3)] == ["accepted", "accepted", final]
+
+
 @pytest.fixture(scope="module")
 def qwen_live(tmp_path_factory):
     """Byte-level BPE (tokens can hold part of a UTF-8 character), with a fixed draft length."""

@@ -22,8 +22,9 @@ NO_EOS = {"logit_bias": {str(EOS): -100}}  # every row runs to max_tokens: no bl
 MAX_TOKENS = 24
 
 
-def recount(blocks: list[tuple[int, int]]) -> dict:
-    """A row's counts from its blocks, ``(drafts, kept)`` per target pass, counted apart from its record."""
+def recount(blocks: list[tuple]) -> dict:
+    """A row's counts from its blocks, ``(drafts, kept, ...)`` per target pass, counted apart from its record."""
+    blocks = [block[:2] for block in blocks]
     per_position = [0] * max((kept for _, kept in blocks), default=0)
     for _, kept in blocks:
         for i in range(kept):

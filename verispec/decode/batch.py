@@ -396,8 +396,9 @@ class DecodeBatch:
                                     accepted=kept)
 
     def _count_tree(self, tree: DraftTree, result: TreeResult) -> None:
-        """Per row that drafted a tree: its nodes, and whether the accepted path left the first branch (a fork the
-        chain would have lost: each node's first child is the chain's continuation)."""
+        """Per row that drafted a tree: its nodes, whether the accepted path left the first branch (a fork the
+        chain would have lost: each node's first child is the chain's continuation), and how its final token came
+        (``Row.tree_final``: the bonus after a leaf, else recovered)."""
         parents, sizes, paths = tree.parents.tolist(), tree.sizes.tolist(), result.path_nodes.tolist()
         for row, row_parents, size, path in zip(self.rows, parents, sizes, paths):
             if size:
@@ -405,6 +406,8 @@ class DecodeBatch:
                 for node, parent in enumerate(row_parents[:size]):
                     first_child.setdefault(parent, node)
                 row.record.count_tree(size, any(n >= 0 and first_child[row_parents[n]] != n for n in path))
+                last = max([-1, *path])  # the accepted path's deepest node (-1: the root)
+                row.tree_final = "recovered" if last in first_child else "bonus"
 
     def _catch_up(self, plan: SourceDecision | None, add_seconds: Callable[[float], None]) -> int:
         """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,

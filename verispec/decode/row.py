@@ -47,13 +47,15 @@ class Row:
     memory_full: bool = False  # ended because the target's memory could not hold it beside the rows before it
     callback_error: Exception | None = None  # what ``on_tokens`` raised, if it did
     record: RowRecord = field(default_factory=RowRecord)  # what happened to it: its counts (telemetry)
-    last_block: tuple[int, int] = (0, 0)  # the latest step's (draft length, accepted drafts): how its tokens came
+    # the latest step's (draft length, accepted drafts, a tree's final token kind or None): how its tokens came
+    last_block: tuple[int, int, str | None] = (0, 0, None)
+    tree_final: str | None = None  # set by a step that drafted a tree ("bonus" at a leaf, else "recovered")
 
     def __post_init__(self) -> None:
         self.record.prompt_tokens = len(self.prompt)
 
     def count_step(self, draft_length: int, num_accepted: int) -> None:
-        self.last_block = (draft_length, num_accepted)
+        self.last_block, self.tree_final = (draft_length, num_accepted, self.tree_final), None
         self.record.count_step(draft_length, num_accepted)
 
     def draft_limit(self) -> int:

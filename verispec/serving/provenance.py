@@ -31,8 +31,13 @@ class Block:
     """How one step committed a row's tokens."""
 
     step: int  # the row's target pass that committed them, from 0
-    draft_length: int  # drafts the row proposed in that step
+    draft_length: int  # drafts the row proposed in that step (a tree's nodes)
     accepted: int  # of those, how many the target kept (the block's first ``accepted`` tokens)
+    tree_final: Kind | None = None  # a draft tree's step: its last token's kind (the bonus after a leaf)
+
+    @property
+    def tree(self) -> bool:
+        return self.tree_final is not None
 
     def kind(self, position: int) -> Kind:
         """The label of the block's token at ``position`` (from 0)."""
@@ -40,6 +45,8 @@ class Block:
             return "accepted"
         if self.draft_length == 0:
             return "plain"
+        if self.tree_final is not None:
+            return self.tree_final
         return "recovered" if self.accepted < self.draft_length else "bonus"
 
 
@@ -79,5 +86,5 @@ class ProvenanceLog:
             start, _ = self._offsets.push(entry.token)
             out.append(TokenProvenance(id=entry.token, token=self._names.text(entry.token), offset=start,
                                        kind=entry.kind, step=entry.block.step, drafted=entry.block.draft_length,
-                                       logprob=entry.logprob))
+                                       tree=entry.block.tree, logprob=entry.logprob))
         return out

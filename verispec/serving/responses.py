@@ -51,7 +51,9 @@ class TokenProvenance(BaseModel):
         description="accepted: drafted and kept by the target; recovered: the target's token at the first "
         "rejected draft; bonus: the target's extra token after every draft was kept; plain: a step without drafts.")
     step: int = Field(description="The choice's target pass (from 0) that committed it.")
-    drafted: int = Field(description="Drafts proposed in that pass.")
+    drafted: int = Field(description="Drafts proposed in that pass (a draft tree's nodes).")
+    tree: bool = Field(False, description="That pass scored a draft tree (several continuations at once); an "
+                       "accepted token then lies on the branch the target kept.")
     logprob: Logprob | None = Field(description="From the target's logits after penalties and logit_bias, "
                                                 "before temperature and top-k / top-p / min-p.")
 

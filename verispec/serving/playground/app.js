@@ -217,8 +217,9 @@ function describe(run, index) {
   const text = tokenText(run, index);
   const logprob = token.logprob === null || token.logprob === undefined ? "n/a" : token.logprob.toFixed(3);
   const shown = text === "" ? "(no text: " + token.token + ")" : JSON.stringify(text);
+  const drafted = token.tree ? `a tree of ${token.drafted} drafts` : `${token.drafted} drafted`;
   return `Token ${index + 1} ${shown}: ${LABELS[token.kind]}; target pass ${token.step + 1}` +
-    ` (${token.drafted} drafted); logprob ${logprob}`;
+    ` (${drafted}); logprob ${logprob}`;
 }
 
 function render(run) {
@@ -232,7 +233,8 @@ function render(run) {
     const text = tokenText(run, i);
     // A token with no text of its own: an end token (marked), or the first bytes of a character the next one ends.
     const end = text === "" && !token.token.startsWith("bytes:");
-    span.className = "tok " + token.kind + (end ? " empty" : "") + (i === selected ? " selected" : "");
+    span.className = "tok " + token.kind + (token.tree ? " tree" : "") + (end ? " empty" : "") +
+      (i === selected ? " selected" : "");
     span.textContent = text;
     span.dataset.index = String(i);
     span.dataset.step = String(token.step);
