@@ -88,6 +88,9 @@ class LlamaSettings:
     flash_attn: bool = True
     n_seq_max: int = 8
     n_batch: int = 512
+    # the most logits rows one call returns (None: ``n_batch``, llama.cpp's default); llama.cpp reserves its compute
+    # buffer for that many (~300 MiB at 512 for a 0.5B model), so a draft, one row of logits per row, asks for few
+    outputs: int | None = None
     bitwise: bool = False
     streams: bool | None = None
 
@@ -144,6 +147,8 @@ class _Context:
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx, n_seq_max + branches
         params.n_batch = params.n_ubatch = s.n_batch
+        if s.outputs is not None:  # llama.cpp reserves an output per sequence at least
+            params.n_outputs_max = max(s.outputs, n_seq_max + branches)
         params.n_threads = params.n_threads_batch = s.threads()
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.kv_unified = unified

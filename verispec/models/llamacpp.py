@@ -520,8 +520,10 @@ def kv_layout(settings: LlamaSettings) -> str:
 def draft_settings(target: LlamaSettings) -> LlamaSettings:
     """How a draft runs beside a llama.cpp target: the target's memory layout (``n_ctx``, ``n_seq_max``,
     ``streams``: it holds the same rows, never more tokens per row) and threads, with llama.cpp's fast defaults
-    (weight repacking on) and passes uncut, since the target verifies every token a draft proposes."""
-    return replace(target, repack=True, bitwise=False, streams=target.per_row_streams())
+    (weight repacking on) and passes uncut, since the target verifies every token a draft proposes. A draft pass
+    returns one row of logits per row (its next token's), so its compute buffer is reserved for ``n_seq_max``
+    outputs, not ``n_batch`` (as llama-server sizes its own)."""
+    return replace(target, repack=True, bitwise=False, streams=target.per_row_streams(), outputs=target.n_seq_max)
 
 
 def load_llama_draft(path: str | os.PathLike, target: LlamaSettings,
