@@ -41,7 +41,8 @@ from verispec.drafters import CompositeDrafter, ModelDrafter, NGramDrafter, Suff
 from verispec.drafters.suffix import ResponseTrees, SuffixSettings  # noqa: E402
 from verispec.factory import suffix_beside_model  # noqa: E402
 
-METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset", "suffix+model_offset4")
+METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset", "suffix+model_offset4",
+           "suffix_tree", "ngram_tree", "model_tree")  # *_tree: draft trees (issue 42) beside the same chains
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -131,18 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     for p in prompts:
         p.setdefault("group", "repetitive")
 
-    suffix = SuffixDrafter(scope="global")
     # suffix+MODEL as ``verispec.load(target, "suffix+MODEL")`` builds it: suffix drafts where their score is high,
     # else the model, each row's source chosen by the speculation controller (policy/sources.py).
     combined_suffix = SuffixDrafter(scope="global", settings=suffix_beside_model())
     # vLLM's default settings (max_spec_offset 0), against verispec's default offset 4 (tune.py)
     vllm_suffix = SuffixDrafter(scope="global", settings=SuffixSettings(max_spec_offset=0.0))
     offset_suffix = SuffixDrafter(scope="global", settings=replace(suffix_beside_model(), max_spec_offset=4.0))
+    # Draft trees: suffix decoding's own (chosen over the chain per step where it commits more per unit of pass
+    # cost, as ``load(draft="suffix")`` builds it on a target that scores trees), prompt lookup's last three
+    # matches merged, and the 0.5B model's chain with one sibling leaf per depth.
+    from verispec.factory import suffix_settings
+
+    tree_suffix = SuffixDrafter(scope="global", settings=replace(suffix_settings(decoder.pass_cost), trees=True))
+    suffix = SuffixDrafter(scope="global", settings=replace(tree_suffix.settings, trees=False))  # its chain alone
     drafters = {"alone": None, "suffix": suffix, "ngram": NGramDrafter(), "model_0.5b_int4": ModelDrafter(draft_model),
                 "suffix+model": CompositeDrafter(combined_suffix, ModelDrafter(draft_model)),
                 "suffix_no_offset": vllm_suffix,
                 # suffix+model whose suffix part drafts with the lone drafter's offset 4 (the factory uses 0 there)
-                "suffix+model_offset4": CompositeDrafter(offset_suffix, ModelDrafter(draft_model))}
+                "suffix+model_offset4": CompositeDrafter(offset_suffix, ModelDrafter(draft_model)),
+                "suffix_tree": tree_suffix, "ngram_tree": NGramDrafter(matches=3)}
+    if "model_tree" in methods:
+        drafters["model_tree"] = ModelDrafter(draft_model, siblings=2)
     log("warm-up: kernels of each shape, and each drafter's speculation controller")
     warm = encode(tokenizer, {"kind": "chat", "text": "Write a Python function that reverses a string."})
     for name in methods:
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(args), "methods": list(methods), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        for tree_owner in (suffix, combined_suffix, vllm_suffix, offset_suffix):  # nothing from before
+        for tree_owner in (suffix, combined_suffix, vllm_suffix, offset_suffix, tree_suffix):  # nothing from before
             tree_owner.trees = ResponseTrees(tree_owner.trees.cache_size, tree_owner.settings.max_depth)
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;
@@ -174,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "workload": prompt["kind"], "tokens": len(result.tokens[0]), "seconds": seconds,
                                 "prompt_tokens": len(ids), "draft_tokens": stats.draft_tokens,
                                 "accepted_tokens": stats.accepted_tokens, "target_passes": stats.steps,
-                                "identical": None})
+                                "decode_seconds": seconds - stats.prefill_time_s, "tree_drafts": stats.tree_drafts,
+                                "forks_won": stats.forks_won, "identical": None})
                 log(f"repeat {repeat} prompt {index} ({prompt['name']}) {method}: "
                     f"{len(result.tokens[0]) / seconds:.2f} tok/s, {stats.accepted_tokens}/{stats.draft_tokens} kept")
             for record in records[-len(order):]:
@@ -211,6 +222,10 @@ def finish(report: dict, out: Path) -> int:
     report["repeats_done"] = done
     report["tokens_per_s"] = table
     report["speedup_vs_alone"] = {m: {k: ratio(table, m, "alone", k) for k in kinds + ["all"]} for m in methods}
+    if all("decode_seconds" in r for r in records):  # the decoding rate, each prompt's prefill taken out
+        decode = summarise([dict(r, seconds=r["decode_seconds"]) for r in records], methods, kinds, done)
+        report["decode_speedup_vs_alone"] = {m: {k: ratio(decode, m, "alone", k) for k in kinds + ["all"]}
+                                             for m in methods}
     report["all_identical"] = all(r["identical"] for r in report["records"] if r["identical"] is not None)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     text = markdown(report, kinds)
@@ -247,9 +262,11 @@ def plot(report: dict, kinds: list[str], path: Path) -> None:
 
 
 def markdown(report: dict, kinds: list[str]) -> str:
+    decode = report.get("decode_speedup_vs_alone")
     lines = ["| method | " + " | ".join(f"{k} tok/s" for k in kinds) + " | " +
-             " | ".join(f"{k} vs alone" for k in kinds) + " | acceptance (repetitive) |",
-             "|---" * (2 * len(kinds) + 2) + "|"]
+             " | ".join(f"{k} vs alone" for k in kinds) + " | acceptance (repetitive) |"
+             + (" decoding vs alone, prefill out (repetitive) | tokens per target pass (repetitive) |" if decode else ""),
+             "|---" * (2 * len(kinds) + 2 + (2 if decode else 0)) + "|"]
     for method in report.get("methods", METHODS):
         speed = [report["tokens_per_s"][method][k] for k in kinds]
         ratios = [report["speedup_vs_alone"][method][k] for k in kinds]
@@ -257,9 +274,14 @@ def markdown(report: dict, kinds: list[str]) -> str:
                 and r["repeat"] < report["repeats_done"]]
         proposed = sum(r["draft_tokens"] for r in rows)
         kept = sum(r["accepted_tokens"] for r in rows) / proposed if proposed else 0.0
-        lines.append(f"| {method} | " + " | ".join(f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for s in speed)
-                     + " | " + " | ".join(f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})" for x in ratios)
-                     + f" | {kept:.2f} |")
+        line = (f"| {method} | " + " | ".join(f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" for s in speed)
+                + " | " + " | ".join(f"{x['median']:.2f}x ({x['min']:.2f}-{x['max']:.2f})" for x in ratios)
+                + f" | {kept:.2f} |")
+        if decode:
+            d = decode[method]["repetitive"]
+            per_pass = sum(r["tokens"] for r in rows) / max(1, sum(r["target_passes"] for r in rows))
+            line += f" {d['median']:.2f}x ({d['min']:.2f}-{d['max']:.2f}) | {per_pass:.2f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
