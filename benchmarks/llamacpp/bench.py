@@ -104,19 +104,21 @@ def run_verispec(args) -> dict:
     eos = eos_token_ids(tokenizer, model)
     for draft in args.drafts:
         from verispec import SpeculativeDecoder
-        from verispec.factory import split_suffix_draft
 
-        if draft == "ngram":
+        if draft in ("ngram", "ngram_tree"):  # ngram_tree: its match's last 3 continuations as a tree (issue 42)
             from verispec.drafters import NGramDrafter
 
-            decoders[draft] = SpeculativeDecoder(model, drafter=NGramDrafter(), vocab_size=len(tokenizer),
-                                                 num_draft_tokens=args.num_draft_tokens)
-        elif split_suffix_draft(draft)[0]:
+            decoders[draft] = SpeculativeDecoder(model, drafter=NGramDrafter(matches=3 if draft == "ngram_tree" else 1),
+                                                 vocab_size=len(tokenizer), num_draft_tokens=args.num_draft_tokens)
+        elif draft in ("suffix", "suffix_chain", "suffix_tree"):
             from verispec.drafters.suffix import SuffixDrafter
 
             from verispec.factory import suffix_settings
 
-            settings = suffix_settings(base.pass_cost)  # as load(draft="suffix") builds it
+            # as load(draft="suffix") builds it (trees where the target scores them); suffix_chain / suffix_tree:
+            # chains only / trees allowed, whatever the target, to compare the two (issue 42)
+            trees = base.target.tree_branches > 1 if draft == "suffix" else draft == "suffix_tree"
+            settings = suffix_settings(base.pass_cost, trees)
             decoders[draft] = SpeculativeDecoder(model, drafter=SuffixDrafter(settings=settings),
                                                  vocab_size=len(tokenizer), num_draft_tokens=args.num_draft_tokens)
     from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
@@ -155,7 +157,8 @@ def run_verispec(args) -> dict:
                                         "identical": out.tokens[0] == alone.tokens[0],
                                         "prefill_seconds": stats.prefill_time_s,
                                         "draft_tokens": stats.draft_tokens, "accepted": stats.accepted_tokens,
-                                        "target_calls": stats.target_calls,
+                                        "target_calls": stats.target_calls, "tree_drafts": stats.tree_drafts,
+                                        "forks_won": stats.forks_won,
                                         # the loop's host work: decoding time outside the target's passes
                                         "target_seconds": stats.target_time_s}
             log(f"verispec repeat {repeat} prompt {index} ({prompt['kind']}): "
