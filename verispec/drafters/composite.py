@@ -57,7 +57,6 @@ class CompositeDrafter(SourceDrafter):
         self.primary.start(prompts, sampling, vocab_size)
         self.fallback.start(prompts, sampling, vocab_size)
         self._fallback_ids = None
-        self._matched: bool | None = None  # _all_match's answer for the current histories
         self._found: dict[tuple[int, float | None], list[list[int]]] = {}  # the lookups, for the current histories
         self.lookup_rows = 0  # telemetry: row steps that used prompt lookup
         self.fallback_skipped = 0  # steps where every row matched and the fallback did not run
@@ -74,7 +73,7 @@ class CompositeDrafter(SourceDrafter):
         return [len(t) for t in found], [bool(t) for t in self._lookups(num_draft_tokens)]
 
     def _lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
-        """The primary's lookups, kept until the histories change (prompt lookup scans each row's history)."""
+        """The primary's lookups, kept until the histories change (a lookup scans a row's whole history)."""
         key = (num_draft_tokens, min_score)
         if key not in self._found:
             self._found[key] = self.primary.lookups(num_draft_tokens, min_score)
@@ -109,9 +108,7 @@ class CompositeDrafter(SourceDrafter):
         device = proposal.draft_ids.device
         width = max([width] + [len(found[b]) for b in lookup])  # a short fallback proposal must not cut lookups
         draft_ids = _pad_columns(proposal.draft_ids, width, 0)  # [B, width]
-        draft_probs = proposal.draft_probs  # [B, k', V] or None
-        if draft_probs is not None:
-            draft_probs = _pad_columns(draft_probs, width, 0.0)  # [B, width, V]
+        draft_probs = None if proposal.draft_probs is None else _pad_columns(proposal.draft_probs, width, 0.0)
         for b in lookup:
             tokens = torch.tensor(found[b], dtype=torch.long, device=device)  # [n]
             draft_ids[b, : len(tokens)] = tokens
@@ -129,19 +126,16 @@ class CompositeDrafter(SourceDrafter):
         return 0 if self._all_match() else self.fallback.catch_up()
 
     def _all_match(self) -> bool:
-        """Whether every row's context has a lookup match: asked by ``backlog`` and ``catch_up`` at each step,
-        so it is kept until the histories change (a lookup scans a row's whole history)."""
-        if self._matched is None:
-            self._matched = all(self.primary.lookups(1))
-        return self._matched
+        """Whether every row's context has a lookup match (asked by ``backlog`` and ``catch_up`` at each step)."""
+        return all(self._lookups(1))
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        self._matched, self._found = None, {}
+        self._found = {}
         self.primary.add_rows(prompts, sampling)
         self.fallback.add_rows(prompts, sampling)
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
-        self._matched, self._found = None, {}
+        self._found = {}
         self.primary.update(num_accepted, new_tokens)
         if self._fallback_ids is None:  # the fallback did not propose this step
             self.fallback.update([0] * len(new_tokens), new_tokens)
@@ -151,7 +145,7 @@ class CompositeDrafter(SourceDrafter):
         self._fallback_ids = None
 
     def select_rows(self, rows: list[int]) -> None:
-        self._matched, self._found = None, {}
+        self._found = {}
         self.primary.select_rows(rows)
         self.fallback.select_rows(rows)
 

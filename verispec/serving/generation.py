@@ -301,12 +301,9 @@ class Generation:
 
     def _logprobs(self, choice: Choice) -> ChatLogprobs | CompletionLogprobs | None:
         """The logprobs of the choice's tokens not sent yet, up to the last one its text needs (none past a
-        stop string, and not the end token, which has no text: as OpenAI), in the endpoint's shape; None when the
-        request did not ask for them.
-
-        Each token is written by its own bytes (``TokenBytes``: a token holding part of a UTF-8 character reads
-        ``bytes:\\xNN``, so no two alternatives share a key), and ``text_offset`` is where its text starts in the
-        returned text (a character split over several tokens starts at the first)."""
+        stop string, and not the end token, which has no text: as OpenAI), in the endpoint's shape, each token
+        written as ``TokenBytes`` writes it and placed as ``TextOffsets`` places it; None when the request did not
+        ask for them."""
         if self.params.logprobs is None:
             return None
         count = max(0, choice.state.num_tokens - choice.logprobs_sent)
