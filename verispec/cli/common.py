@@ -98,11 +98,11 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
     from ..factory import check_load_options
     from ..models import LoadError
 
+    options = load_options(args)
+    for unchecked in ("fast", "llama_settings", "bitwise"):  # what load takes but check_load_options does not
+        del options[unchecked]
     try:
-        check_load_options(args.target, args.draft, device=args.device, dtype=args.dtype,
-                           draft_quant=args.draft_quant, cross_tokenizer=args.cross_tokenizer, here=here,
-                           num_draft_tokens=gamma_arg(args.num_draft_tokens), stop_drafting=args.stop_drafting,
-                           backend=getattr(args, "backend", "auto"), **suffix_options(args))
+        check_load_options(args.target, args.draft, here=here, **options)
     except LoadError as error:
         raise CliError(str(error)) from error
 

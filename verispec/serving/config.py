@@ -60,11 +60,9 @@ def read_api_keys(keys: Sequence[str] = (), key_file: str | None = None,
 
     A key that is empty or blank, from any source, is a ``ValueError``: it would otherwise start a server
     without authentication that its operator believes protected (``--api-key "$UNSET_VARIABLE"``)."""
-    found = []
-    for key in keys:
-        if not key.strip():
-            raise ValueError("--api-key is empty: give a key, or leave the option out for a server without one")
-        found.append(key.strip())
+    if any(not key.strip() for key in keys):
+        raise ValueError("--api-key is empty: give a key, or leave the option out for a server without one")
+    found = [key.strip() for key in keys]
     if API_KEY_ENV in environ:
         given = environ[API_KEY_ENV].split(",")
         if any(not key.strip() for key in given):
