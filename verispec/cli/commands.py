@@ -172,13 +172,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutdown_timeout=args.shutdown_timeout)
     if args.suffix_scope is None:  # one tenant's answers never shape another's drafts
         args.suffix_scope = "key" if options.api_keys else "global"
+    args.model_name = args.model_name or default_model_name(args.target)
     check_request_args(args)
     check_model_args(args, here=args.ray_address is None)  # a cluster's workers load from their own disks
     if args.replicas is not None or args.ray_address is not None:
         return _serve_on_ray(args, options)
     decoder, tokenizer = build_decoder(args)
-    code = serve(decoder, tokenizer, model_name=args.model_name or default_model_name(args.target), host=args.host,
-                 port=args.port, max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
+    code = serve(decoder, tokenizer, model_name=args.model_name, host=args.host, port=args.port,
+                 max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
                  max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options,
                  log_level=args.log_level, say=log)
     if code:  # a second signal: exit now, without the seconds the interpreter spends tearing the models down
@@ -225,13 +226,10 @@ def _serve_on_ray(args: argparse.Namespace, options) -> int:
         from ..serving.ray import ReplicaSpec, Scaling, deploy
     except ImportError as error:
         raise CliError(f"--replicas and --ray-address need Ray Serve (pip install 'verispec[ray]'): {error}") from error
-    from ..serving.config import default_model_name
-
     spec = ReplicaSpec(
-        target=args.target, draft=args.draft, model_name=args.model_name or default_model_name(args.target),
-        load_options=load_options(args), max_batch_size=args.max_batch_size,
-        max_rows_per_request=args.max_rows_per_request, max_context=args.max_context,
-        default_max_tokens=args.max_new_tokens, options=options)
+        target=args.target, draft=args.draft, model_name=args.model_name, load_options=load_options(args),
+        max_batch_size=args.max_batch_size, max_rows_per_request=args.max_rows_per_request,
+        max_context=args.max_context, default_max_tokens=args.max_new_tokens, options=options)
     scaling = Scaling(replicas=args.replicas or 1, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
                       cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
                       max_ongoing_requests=args.max_ongoing_requests)

@@ -62,14 +62,6 @@ def _valid_text(text: str) -> str:
 Text = Annotated[str, AfterValidator(_valid_text)]
 
 
-def _passed_through(error: ValidationError) -> PydanticCustomError | None:
-    """The first error a field raised about its own text, to report instead of a union's type errors."""
-    for e in error.errors():
-        if e["type"] == _PASS_THROUGH:
-            return PydanticCustomError(_PASS_THROUGH, e["msg"])
-    return None
-
-
 def one_error(message: str, range_message: str | None = None,
                refine: Callable[[Any], PydanticCustomError | None] | None = None) -> WrapValidator:
     """Any validation error of the field becomes one readable error (a union's errors would name every branch
@@ -80,9 +72,12 @@ def one_error(message: str, range_message: str | None = None,
         try:
             return handler(value)
         except ValidationError as error:
-            if (own := _passed_through(error) or (refine and refine(value))) is not None:
+            errors = error.errors()
+            own = next((PydanticCustomError(_PASS_THROUGH, e["msg"]) for e in errors if e["type"] == _PASS_THROUGH),
+                       None)  # the first error about the field's own text, reported as it is
+            if (own := own or (refine and refine(value))) is not None:
                 raise own from None
-            kinds = {e["type"] for e in error.errors()}
+            kinds = {e["type"] for e in errors}
             if range_message and kinds & {"greater_than_equal", "less_than_equal"}:
                 raise PydanticCustomError("invalid_value", range_message) from None
             raise PydanticCustomError("invalid_type", message) from None
