@@ -31,6 +31,7 @@ from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.cache import CacheFullError, model_device, new_cache
 from ..models.backend import backend_of, is_model
+from ..models.seq2seq import decoder_start
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.controller import MOST_DRAFTS, PassCost
 from ..policy.sources import SourceController
@@ -227,9 +228,14 @@ class SpeculativeDecoder:
     def _limits_with(self, draft_model: PreTrainedModel | None) -> ModelLimits:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
         target_vocab, input_limit, positions, reason = _model_shape(self.target_model)
+        start = decoder_start(self.target_model)  # an encoder-decoder's inputs are sources (models/seq2seq.py)
         if draft_model is None:
             vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
-            return ModelLimits(vocab, input_limit, positions, reason)
+            return ModelLimits(vocab, input_limit, positions, reason, start)
+        if decoder_start(draft_model) != start:
+            raise ValueError(f"the draft's decoder starts from {decoder_start(draft_model)}, the target's from {start} "
+                             "(None: a causal LM): an encoder-decoder target needs an encoder-decoder draft with its "
+                             "decoder start tokens")
         draft_device = model_device(draft_model)
         if draft_device != self.device:
             raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
@@ -238,7 +244,7 @@ class SpeculativeDecoder:
         if draft_positions is not None and (positions is None or draft_positions < positions):
             positions, reason = draft_positions, draft_reason and f"the draft: {draft_reason}"
         input_limit = min(input_limit, draft_inputs)
-        return ModelLimits(vocab, input_limit, positions, reason)
+        return ModelLimits(vocab, input_limit, positions, reason, start)
 
     def controller_for(self, draft: object = _USE_DECODER_DRAFT) -> SpeculationController:
         """The speculation controller of ``draft`` (a call's ``draft`` argument; the decoder's own by default)."""

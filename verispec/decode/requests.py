@@ -1,9 +1,10 @@
 """Request validation: the one path that ``SpeculativeDecoder.generate`` and the serving engine both use, so
 that they accept and refuse the same requests, before any model work.
 
-Rules: prompts are non-empty lists of ids the models' embeddings accept; ``max_new_tokens`` is an integer
->= 0 (0 finishes at once with reason "length" and no tokens); prompt + ``max_new_tokens`` fit the models'
-positions; sampling settings as ``SamplingParams`` checks them; EOS ids, stop token ids and logit-bias ids are
+Rules: prompts are non-empty lists of ids the models' embeddings accept (for an encoder-decoder target, sources:
+each row's prompt is then the decoder's start tokens carrying its source, a ``SourcePrompt``); ``max_new_tokens``
+is an integer >= 0 (0 finishes at once with reason "length" and no tokens); prompt + ``max_new_tokens`` fit the
+models' positions; sampling settings as ``SamplingParams`` checks them; EOS ids, stop token ids and logit-bias ids are
 real token ids; a seed is an int. Stop token ids end a row as EOS does (finish reason "stop"), and
 ``min_tokens`` masks every EOS and stop id.
 An unseeded sampled request gets a seed from the OS, reported back so that it can be reproduced.
@@ -34,6 +35,8 @@ class ModelLimits:
     input_limit: int  # ids every model's input embeddings accept
     max_positions: int | None  # the longest sequence every model's positions cover, if known
     max_positions_reason: str | None = None  # why, when it is not simply the position table's size
+    # an encoder-decoder target's decoder start tokens: each input is then a source (``models/seq2seq.py``)
+    decoder_prompt: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,8 @@ class Request:
         callbacks = on_tokens if on_tokens is not None else [None] * len(self.prompts)
         sampling, grammar = self.sampling, self.sampling.grammar
         return [
-            Row(key=key, prompt=TokenHistory(prompt),  # its counts, for the repetition penalty, made once
+            Row(key=key, prompt=prompt if isinstance(prompt, TokenHistory) else TokenHistory(prompt),  # its counts,
+                # for the repetition penalty, made once (a SourcePrompt carries its source with it)
                 sampling=sampling if grammar is None else dataclasses.replace(sampling, grammar=grammar.fresh()),
                 max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
                 generator=None if self.sampling.greedy else row_generator(self.seed, b),
@@ -82,6 +86,14 @@ def validate_request(limits: ModelLimits, input_ids: torch.Tensor | Sequence[int
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"seed must be an int or None, got {seed!r}")
     longest = max(len(p) for p in prompts)
+    if limits.decoder_prompt is not None:  # the inputs are sources; the decoder starts from its start tokens
+        from ..models.seq2seq import SourcePrompt
+
+        if limits.max_positions is not None and longest > limits.max_positions:
+            raise ValueError(f"a source of {longest} tokens exceeds the models' maximum length "
+                             f"({limits.max_positions})")
+        prompts = [SourcePrompt(limits.decoder_prompt, source) for source in prompts]
+        longest = len(limits.decoder_prompt)
     if limits.max_positions is not None and longest + max_new_tokens > limits.max_positions:
         reason = f": {limits.max_positions_reason}" if limits.max_positions_reason else ""
         raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the models' "

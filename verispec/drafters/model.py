@@ -11,6 +11,7 @@ from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
 from ..models.backend import backend_of
 from ..models.cache import left_pad, new_cache, padded_positions
+from ..models.seq2seq import Seq2SeqLM
 from .base import Drafter, Proposal, per_row
 
 if TYPE_CHECKING:  # the modeling module costs ~120 MB of imports; the llama.cpp path never needs it
@@ -94,6 +95,8 @@ class ModelDrafter(Drafter):
         self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
         empty = new_cache(self.model)
         empty.reset(len(prompts))
+        if isinstance(empty, Seq2SeqLM):  # an encoder-decoder draft reads each row's source with its own encoder
+            empty.encode(prompts)
         self.lm.append_rows(empty)
 
     def _unprefilled(self) -> list[int]:

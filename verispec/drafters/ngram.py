@@ -95,9 +95,9 @@ class NGramIndex:
 
 
 class NGramDrafter(Drafter):
-    """Prompt lookup: no model. Match the longest recent n-gram of a row's context (prompt and output) and
-    propose what followed its most recent earlier occurrence. Deterministic: proposals enter verification
-    as one-hot distributions, so sampling stays exact.
+    """Prompt lookup: no model. Match the longest recent n-gram of a row's context (prompt and output; an
+    encoder-decoder row's source, then its decoder tokens) and propose what followed its most recent earlier
+    occurrence. Deterministic: proposals enter verification as one-hot distributions, so sampling stays exact.
 
     Rows without a match propose nothing that step (the target then emits one token for them). With
     ``matches`` > 1 (for a target whose wider passes cost little and that scores trees: the factory's choice), a
@@ -135,7 +135,8 @@ class NGramDrafter(Drafter):
         return [index.lookup(h, num_draft_tokens) for index, h in zip(self.indexes, self.histories)]
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
-        self.histories += [list(p) for p in prompts]
+        # An encoder-decoder row's source comes first: its output copies spans of it (names, quotes, summaries).
+        self.histories += [[*getattr(p, "source", ()), *p] for p in prompts]
         self.indexes += [NGramIndex(self.min_ngram, self.max_ngram, self.matches) for _ in prompts]
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,

@@ -90,7 +90,8 @@ class TargetBackend(Protocol):
 
 
 class TorchBackend:
-    """A ``transformers`` causal LM behind the backend contract (its caches are ``CachedLM``)."""
+    """A ``transformers`` causal LM behind the backend contract (its caches are ``CachedLM``), or an encoder-decoder
+    (``Seq2SeqLM`` caches)."""
 
     host_threads = None  # the loop's host work runs on torch's own setting
     max_rows = None  # rows are bounded by memory only
@@ -100,6 +101,8 @@ class TorchBackend:
         self.model = model
         self.device = next(model.parameters()).device
         self._positions = position_limit(model)
+        if bitwise and getattr(model.config, "is_encoder_decoder", False):
+            raise ValueError("the bitwise mode is not available for encoder-decoder models yet")
         self.pass_cap = torch_bitwise_cap(model) if bitwise else None
 
     @property
@@ -125,12 +128,23 @@ class TorchBackend:
     def new_cache(self):
         from .cache import CachedLM
 
+        if self.encoder_decoder:
+            from .seq2seq import Seq2SeqLM
+
+            return Seq2SeqLM(self.model, pass_cap=self.pass_cap)
         return CachedLM(self.model, pass_cap=self.pass_cap)
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """An encoder-decoder (``AutoModelForSeq2SeqLM``): its rows carry their sources (``models/seq2seq.py``)."""
+        return bool(getattr(self.model.config, "is_encoder_decoder", False))
 
     @property
     def tree_branches(self) -> int:
         """Any number of branches where a tree pass scores every node as its own path's chain would
         (``tree_scoring_exact``), else 1 (chains)."""
+        if self.encoder_decoder:  # chains only: a 4-D mask would meet T5's slot-derived position bias
+            return 1
         return TREE_BRANCHES if tree_scoring_exact(self.model, self.pass_cap) else 1
 
     def pass_cost(self, width: int, rows: int = 1) -> float:

@@ -95,14 +95,21 @@ _TORCH_LOCK = threading.Lock()
 @torch.inference_mode()
 def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
     """A transformers causal LM's pass-cost curve, measured on first use and kept with the model: passes of n
-    tokens from an empty cache (one row), on the model's own device and threads."""
+    tokens from an empty cache (one row), on the model's own device and threads (an encoder-decoder's: decoder
+    passes over one encoded source, the encoder run once per row at its prefill)."""
     with _TORCH_LOCK:
         curve = _TORCH_CURVES.get(model)
         if curve is None:
             device = next(model.parameters()).device
 
+            inputs = {}
+            if getattr(model.config, "is_encoder_decoder", False):  # a decoder pass over a 16-token source
+                source = torch.zeros((1, 16), dtype=torch.long, device=device)
+                inputs = {"encoder_outputs": model.get_encoder()(input_ids=source)}
+
             def run(n: int) -> None:
-                model(input_ids=torch.zeros((1, n), dtype=torch.long, device=device))
+                ids = torch.zeros((1, n), dtype=torch.long, device=device)
+                model(**inputs, decoder_input_ids=ids) if inputs else model(input_ids=ids)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
 

@@ -1,0 +1,299 @@
+"""Encoder-decoder models (``AutoModelForSeq2SeqLM``: T5, BART, Marian): the decoder decodes, the encoder reads the
+row's source once.
+
+For the decode loop an encoder-decoder row is a causal LM over its decoder tokens: its "prompt" is the decoder's
+start token(s) (``SourcePrompt``, a token list that carries the row's source ids with it), and positions, rollback
+and drafting count decoder tokens only. ``Seq2SeqLM`` is ``CachedLM`` for such a model:
+
+- ``encode(prompts)`` (or ``prefill``) runs the encoder once over the rows' sources (right-padded: each source
+  keeps positions 0, 1, ...) and keeps its output per row (``encoded [B, L, d]`` and ``source_mask [B, L]``);
+- the decoder's self-attention cache is ``CachedLM``'s, with the same per-row rollback contract, except that a
+  rollback never leaves holes: each row's kept slots are gathered to the right end at once (``compact``). T5
+  derives its relative position bias from slot indices (the cache's length), not from position ids, so a row's
+  slots must stay contiguous and right-aligned for slot distances to be position distances;
+- decoders with a position table (BART's learned positions, Marian's sinusoids) number their inputs from the
+  cache's length too: the adapter gives their position module (``decoder.embed_positions``) each row's own
+  position ids for the call, so left padding does not shift them;
+- the cross-attention cache is computed by the first pass over the encoder output and kept; rows that leave take
+  theirs with them, and rows joining make the next pass compute it again for every row (exact: it is a function
+  of the encoder output, which every row keeps).
+
+Exactness is shown, not assumed: ``require_exact_seq2seq`` runs the model's own forward against the adapter on two
+rows of different source and decoder lengths, with a left-padded row and a per-row rollback, and refuses the model
+(``UnsupportedModelError``) when the logits differ beyond rounding. Draft trees are not scored on these models (a
+4-D mask would meet T5's slot-derived bias): they draft chains.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache, EncoderDecoderCache
+
+from ..core.processors import TokenHistory
+from .cache import CachedLM, left_pad, padded_positions
+from .capability import (
+    CACHE_DIFFERS,
+    FORWARD_FAILS,
+    PADDING_CHANGES,
+    SLOT_DEPENDENT,
+    UnsupportedModelError,
+    _describe,
+    _difference,
+    _probe_tokens,
+    tolerance_floor,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+NO_SOURCE = "an encoder-decoder row needs its source (a SourcePrompt)"
+
+
+class SourcePrompt(TokenHistory):
+    """A row's decoder prompt (its start token(s)) carrying the row's encoder input, ``source`` (token ids)."""
+
+    def __init__(self, tokens: Sequence[int], source: Sequence[int]) -> None:
+        super().__init__(tokens)
+        self.source = tuple(source)
+
+    def __repr__(self) -> str:
+        return f"SourcePrompt({list(self)!r}, source={list(self.source)!r})"
+
+
+def is_encoder_decoder(model: object) -> bool:
+    """Whether ``model`` is a ``transformers`` encoder-decoder (its config says so)."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "is_encoder_decoder", False)) and isinstance(model, torch.nn.Module)
+
+
+def decoder_prompt(model: PreTrainedModel) -> tuple[int, ...]:
+    """The decoder's start tokens: ``decoder_start_token_id`` (from the generation config, else the model's)."""
+    for config in (getattr(model, "generation_config", None), model.config):
+        start = getattr(config, "decoder_start_token_id", None)
+        if start is not None:
+            return tuple(start) if isinstance(start, (list, tuple)) else (int(start),)
+    raise UnsupportedModelError(model, "it names no decoder_start_token_id")
+
+
+def decoder_start(model: object) -> tuple[int, ...] | None:
+    """An encoder-decoder's decoder start tokens (its rows' prompts), None for any other model."""
+    return decoder_prompt(model) if is_encoder_decoder(model) else None
+
+
+def source_prompts(model: PreTrainedModel, sources: Sequence[Sequence[int]]) -> list[SourcePrompt]:
+    """One ``SourcePrompt`` per source: the decoder's start tokens, carrying the source."""
+    start = decoder_prompt(model)
+    return [SourcePrompt(start, source) for source in sources]
+
+
+class Seq2SeqLM(CachedLM):
+    """An encoder-decoder model and its caches for one batch of rows (see the module). Guarantee as
+    ``CachedLM``'s: a row's logits depend only on its own source, its decoder tokens and their positions."""
+
+    def __init__(self, model: PreTrainedModel, check: bool = True, pass_cap: int | None = None) -> None:
+        self._set_empty(model, 0)
+        super().__init__(model, check, pass_cap)
+
+    def _set_empty(self, model: PreTrainedModel, batch_size: int) -> None:
+        device = next(model.parameters()).device
+        self.cross = DynamicCache(config=model.config)  # the decoder's cross-attention keys and values
+        width = model.config.get_text_config(decoder=True).d_model if hasattr(model.config, "d_model") else \
+            model.config.hidden_size
+        self.encoded = torch.zeros(batch_size, 0, width, dtype=model.dtype, device=device)  # [B, L, d]
+        self.source_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, L]
+        self.has_source = torch.zeros(batch_size, dtype=torch.bool)  # [B] (host) rows encoded so far
+
+    def _check_rollback_supported(self) -> None:
+        require_exact_seq2seq(self.model)
+
+    def reset(self, batch_size: int) -> None:
+        super().reset(batch_size)
+        self._set_empty(self.model, batch_size)
+
+    def close(self) -> None:
+        super().close()
+        self._set_empty(self.model, 0)
+
+    @torch.inference_mode()
+    def encode(self, prompts: Sequence[Sequence[int]]) -> None:
+        """Run the encoder over each row's source (``prompts[b].source``; one prompt per row of the cache)."""
+        if len(prompts) != self.batch_size:
+            raise ValueError(f"encode needs one prompt per row: {len(prompts)} for {self.batch_size} rows")
+        if not all(isinstance(p, SourcePrompt) for p in prompts):
+            raise ValueError(NO_SOURCE)
+        sources = [list(p.source) for p in prompts]
+        width = max((len(s) for s in sources), default=0)
+        ids = torch.zeros(len(sources), width, dtype=torch.long)  # [B, L] right-padded: positions from 0
+        mask = torch.zeros(len(sources), width, dtype=torch.bool)
+        for b, source in enumerate(sources):
+            ids[b, : len(source)] = torch.tensor(source, dtype=torch.long)
+            mask[b, : len(source)] = True
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        self.encoded = self.model.get_encoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
+        self.source_mask = mask
+        self.has_source = torch.ones(len(sources), dtype=torch.bool)
+        self.cross = DynamicCache(config=self.model.config)
+
+    def prefill(self, prompts: list[list[int]]) -> bool:
+        """Encode the rows' sources, then append their decoder prompt tokens but the last (usually none)."""
+        self.encode(prompts)
+        ids, mask = left_pad([p[:-1] for p in prompts])  # [B, T-1]
+        if ids.shape[1]:
+            self._call(ids, mask, padded_positions(mask, torch.zeros(len(prompts), dtype=torch.long)), 1)
+        return True
+
+    @torch.inference_mode()
+    def _call(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,
+              num_logits: int | None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if tree is not None:
+            raise ValueError("draft trees are not scored on encoder-decoder models (chains only)")
+        if not bool(self.has_source.all()):
+            raise ValueError(NO_SOURCE)
+        if self._last_position is not None:
+            position_ids = position_ids.clamp(max=self._last_position)
+        self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
+        from transformers.modeling_outputs import BaseModelOutput
+
+        with _own_positions(self.model, position_ids.to(self.device)):
+            out = self.model(
+                encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
+                attention_mask=self.source_mask.to(torch.long),
+                decoder_input_ids=input_ids.to(self.device),
+                decoder_attention_mask=self.slot_mask.to(torch.long),
+                cache=EncoderDecoderCache(self.cache, self.cross),
+                use_cache=True,
+            )
+        logits = out.logits  # [B, n, V]
+        return (logits[:, -num_logits:] if num_logits else logits).float()
+
+    @torch.inference_mode()
+    def rollback(self, lengths: Sequence[int]) -> None:
+        """``CachedLM.rollback``, then each row's kept slots gathered to the right end: no holes stay."""
+        super().rollback(lengths)
+        if self.num_slots and self.batch_size:
+            self.compact()
+
+    def _maybe_compact(self, longest: int | None = None) -> None:
+        if self.num_slots and self.batch_size:
+            self.compact()  # never a hole (see the module): T5's bias counts slots
+
+    @torch.inference_mode()
+    def select_rows(self, rows: torch.Tensor | list[int]) -> None:
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        if self.cross.get_seq_length() > 0:
+            self.cross.batch_select_indices(index)
+        self.encoded, self.source_mask = self.encoded[index], self.source_mask[index]
+        self.has_source = self.has_source[index.cpu()]
+        super().select_rows(index)
+
+    @torch.inference_mode()
+    def append_rows(self, other: CachedLM) -> None:
+        """``CachedLM.append_rows`` for the decoder's slots; the sources are right-padded to one width, and the
+        cross-attention cache is computed again by the next pass (for every row)."""
+        if other.batch_size == 0:
+            return
+        if not isinstance(other, Seq2SeqLM):
+            raise ValueError(NO_SOURCE)
+        width = max(self.encoded.shape[1], other.encoded.shape[1])
+        self.encoded = torch.cat([F.pad(e, (0, 0, 0, width - e.shape[1])) for e in (self.encoded, other.encoded)])
+        self.source_mask = torch.cat([F.pad(m, (0, width - m.shape[1])) for m in (self.source_mask,
+                                                                                 other.source_mask)])
+        self.has_source = torch.cat([self.has_source, other.has_source])
+        self.cross = DynamicCache(config=self.model.config)
+        super().append_rows(other)
+
+    def append_holes(self, num_slots: int) -> None:
+        raise NotImplementedError("an encoder-decoder cache keeps no holes (T5's bias counts slots)")
+
+
+@contextmanager
+def _own_positions(model: PreTrainedModel, position_ids: torch.Tensor) -> Iterator[None]:
+    """While in the block, the decoder's position module (``embed_positions``, if it has one: BART, Marian) embeds
+    ``position_ids [B, n]`` instead of the positions it would count from the cache's length."""
+    module = getattr(model.get_decoder(), "embed_positions", None)
+    if module is None:  # T5: relative positions from slot distances (the cache keeps no holes)
+        yield
+        return
+    shape = tuple(position_ids.shape)
+
+    def before(_module, args, kwargs):
+        return args, {**kwargs, "position_ids": position_ids.reshape(-1)}
+
+    def after(_module, _args, _kwargs, output):
+        return output.reshape(*shape, output.shape[-1])
+
+    handles = [module.register_forward_pre_hook(before, with_kwargs=True),
+               module.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def require_exact_seq2seq(model: PreTrainedModel) -> float:
+    """Check that ``Seq2SeqLM`` reproduces ``model``'s own forward: two rows with sources of 7 and 3 tokens, the
+    second's decoder tokens left-padded by two; a block whose drafts the first row rejects (a per-row rollback),
+    then two more tokens for both; every logit against the model's own full forward of that row alone. Raises
+    ``UnsupportedModelError`` naming the failed property; returns the largest relative difference. Once per
+    model, side-effect free (eval mode restored)."""
+    known = _verdicts.get(model)
+    if known is None:
+        known = _verdicts[model] = _probe_seq2seq(model)
+    reason, detail, difference = known
+    if reason is not None:
+        raise UnsupportedModelError(model, reason, detail)
+    return difference
+
+
+def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    ids = _probe_tokens(model, 16)
+    sources, junk = [ids[:7], ids[7:10]], ids[10:12]
+    start = list(decoder_prompt(model))
+    decoded = [start + ids[12:16] + ids[:1], start + ids[13:16] + ids[1:3]]  # [2 rows][6 tokens]
+    try:
+        own = [model(input_ids=torch.tensor([s], device=device), decoder_input_ids=torch.tensor([d], device=device),
+                     use_cache=False).logits[0].float() for s, d in zip(sources, decoded)]  # [6, V] each
+        lm = Seq2SeqLM(model, check=False)
+        lm.reset(2)
+        lm.encode([SourcePrompt(start, s) for s in sources])
+
+        def step(tokens, mask, positions):
+            tokens = torch.tensor(tokens)
+            mask = torch.ones_like(tokens, dtype=torch.bool) if mask is None else torch.tensor(mask)
+            return lm.forward(tokens, mask, torch.tensor(positions))
+
+        first = step([decoded[0][:4], [0, 0] + decoded[1][:2]], [[True] * 4, [False, False, True, True]],
+                     [[0, 1, 2, 3], [0, 0, 0, 1]])
+        block = step([junk, decoded[1][2:4]], None, [[4, 5], [2, 3]])
+        lm.rollback([4, 4])  # row 0 rejects its block: its slots shift right
+        final = step([decoded[0][4:], decoded[1][4:]], None, [[4, 5], [4, 5]])
+        lm.close()
+    except Exception as err:  # noqa: BLE001 - any failure inside the model's forward: it cannot run this way
+        return FORWARD_FAILS, _describe(err), float("inf")
+    finally:
+        model.train(was_training)
+    tolerance = tolerance_floor(model)
+    checks = [
+        (PADDING_CHANGES, max(_difference(first[0], own[0][:4]), _difference(first[1, 2:], own[1][:2]))),
+        (CACHE_DIFFERS, _difference(block[1], own[1][2:4])),
+        (SLOT_DEPENDENT, max(_difference(final[0], own[0][4:]), _difference(final[1], own[1][4:]))),
+    ]
+    for reason, difference in checks:
+        if difference > tolerance:
+            return reason, (f"logits differed by {difference:.3g} of their largest value, beyond the tolerance of "
+                            f"{tolerance:.3g}"), difference
+    return None, "", max(d for _, d in checks)
