@@ -56,6 +56,20 @@ def lookup_matches(backend: Any) -> int:
     return min(LOOKUP_MATCHES, backend.tree_branches) if cheap else 1
 
 
+# A draft model proposes its chain with each position's next most probable token beside it (MODEL_SIBLINGS nodes a
+# depth, ``ModelDrafter(siblings=...)``) where the target scores trees and a pass of 1 + MODEL_SIBLINGS *
+# MODEL_TREE_DEPTHS tokens costs less than CHEAP_GUESSES one-token passes; elsewhere a sibling costs a share of a pass.
+MODEL_SIBLINGS, MODEL_TREE_DEPTHS = 2, 4
+
+
+def model_siblings(backend: Any) -> int:
+    """Nodes a draft model proposes at each depth of its block on this target (1: a chain)."""
+    if backend.tree_branches < 2:
+        return 1
+    width = 1 + MODEL_SIBLINGS * MODEL_TREE_DEPTHS
+    return MODEL_SIBLINGS if backend.pass_cost(width, 1) < CHEAP_GUESSES * backend.pass_cost(1, 1) else 1
+
+
 def suffix_beside_model():
     """The suffix settings of ``suffix+MODEL``'s suffix part."""
     from .drafters.suffix import SuffixSettings
@@ -280,6 +294,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     if suffix:
         drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend, progress)
         draft_model = None
+    elif draft_model is not None and (siblings := model_siblings(backend)) > 1:
+        drafter, draft_model = ModelDrafter(draft_model.eval(), siblings), None
+        say(progress, f"draft: a tree of its chain and each position's next most probable token (a "
+                      f"{1 + MODEL_SIBLINGS * MODEL_TREE_DEPTHS}-token pass costs under {CHEAP_GUESSES} one-token "
+                      "passes here)")
     decoder_options.setdefault("vocab_size", len(tokenizer))
     decoder = SpeculativeDecoder(target_model, draft_model, drafter=drafter, bitwise=bitwise, **decoder_options)
     if calibrate and decoder.drafter is not None and paying_cap(decoder.pass_cost, 1, MOST_DRAFTS):

@@ -10,6 +10,7 @@ at a near-tie, as ``tests/models/test_modes.py`` asks of chains.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 import threading
@@ -20,11 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf: a fixture
-from tiny_models import build  # noqa: E402
+from tiny_models import build, pair  # noqa: E402
 
 from verispec.decode import SpeculativeDecoder  # noqa: E402
 from verispec.decode.batch import _within_branches  # noqa: E402
-from verispec.drafters import Drafter, Proposal  # noqa: E402
+from verispec.drafters import Drafter, ModelDrafter, Proposal  # noqa: E402
 from verispec.drafters.ngram import lookup_proposal  # noqa: E402
 from verispec.models.backend import backend_of, pass_difference  # noqa: E402
 from verispec.models.llamacpp import LlamaModel, LlamaSettings  # noqa: E402
@@ -248,3 +249,72 @@ def test_lookup_and_suffix_trees_keep_greedy_output(drafter: str) -> None:
     out = decoder.generate(FORKED, max_new_tokens=32)
     assert out.tokens == plain
     assert out.stats.tree_drafts > 0
+
+
+class CheckedModelDrafter(ModelDrafter):
+    """A ``ModelDrafter`` with sibling leaves that checks its cache at every proposal: the logits its first chain
+    token is drafted from are the draft's own after each row's committed tokens (recomputed without a cache).
+    ``sibling_wins``: rows whose accepted path ended in a sibling (never fed to the cache), followed by checks."""
+
+    def __init__(self, model, siblings: int) -> None:
+        super().__init__(model, siblings)
+        self.sibling_wins = self.checks = 0
+        self._first: list[torch.Tensor] | None = None
+
+    def fork(self) -> CheckedModelDrafter:
+        return CheckedModelDrafter(self.model, self.siblings)
+
+    def _next_logits(self, ids, mask, positions) -> torch.Tensor:
+        logits = super()._next_logits(ids, mask, positions)
+        if self._first == []:
+            self._first.append(logits)
+        return logits
+
+    def propose(self, num_draft_tokens: int, uniforms, stop_below=None) -> Proposal:
+        self._first = [] if self._ready_logits is None else [self._ready_logits]
+        proposal = super().propose(num_draft_tokens, uniforms, stop_below)
+        with torch.no_grad():
+            for b, (prompt, generated) in enumerate(zip(self.prompts, self.generated)):
+                own = self.model(torch.tensor([[*prompt, *generated]])).logits[0, -1, : self.vocab_size]
+                assert torch.allclose(self._first[0][b], own, atol=1e-4), b
+                self.checks += 1
+        self._first = None
+        return proposal
+
+    def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
+        if self._chain_ids is not None:
+            chains = self._chain_ids.tolist()
+            self.sibling_wins += sum(0 < n <= len(tokens) and tokens[n - 1] != chain[n - 1]
+                                     for n, tokens, chain in zip(num_accepted, new_tokens, chains))
+        super().update(num_accepted, new_tokens)
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(kind: str, max_new_tokens: int) -> list[list[int]]:
+    return references(SpeculativeDecoder(pair(kind)[0]), PROMPTS, max_new_tokens)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("siblings", [2, 3])
+def test_model_draft_sibling_trees_equal_the_target_alone(kind: str, siblings: int) -> None:
+    """A draft model's chain with up to ``siblings - 1`` sibling leaves a depth (``ModelDrafter(siblings=...)``), a
+    batch of mixed prompt lengths: the target's own greedy output, siblings accepted (forks won), and after each
+    step, one ending in a sibling too, the draft's cache holds exactly the committed tokens."""
+    target, partial, _ = pair(kind)
+    drafter = CheckedModelDrafter(partial, siblings)
+    out = SpeculativeDecoder(target, num_draft_tokens=6).generate(PROMPTS, max_new_tokens=32, draft=drafter)
+    assert out.tokens == _plain(kind, 32)
+    assert out.stats.tree_drafts > 0 and out.stats.forks_won > 0 and out.stats.accepted_tokens > 0
+    assert drafter.sibling_wins > 0 and drafter.checks > out.stats.steps
+
+
+def test_a_family_that_ignores_the_tree_mask_gets_chains_only(monkeypatch) -> None:
+    """The tree check fails closed: a model whose attention does not follow the 4-D mask (simulated by a cache that
+    passes the plain causal mask instead) scores each node after its siblings too, so its logits part from each
+    branch's chain and the backend offers one branch (chains); with the real mask the same family offers trees."""
+    from verispec.models.backend import TorchBackend
+    from verispec.models.cache import CachedLM
+
+    assert TorchBackend(build("llama", seed=5)).tree_branches > 1
+    monkeypatch.setattr(CachedLM, "_tree_mask", lambda self, cached, among, passed: self.slot_mask.to(torch.long))
+    assert TorchBackend(build("llama", seed=6)).tree_branches == 1

@@ -565,3 +565,83 @@ def test_composite_feeds_its_fallbacks_backlog_in_the_catch_up() -> None:
     matching = CompositeDrafter(NGramDrafter(), ModelDrafter(partial))
     matching.start([base * 4, (base * 4)[1:]], SamplingParams(), partial.config.vocab_size)
     assert matching.backlog() == 0 and matching.catch_up() == 0  # every row matches: the fallback waits
+
+
+# --- ModelDrafter with sibling leaves (a tree whose trunk is the chain) ------------------------------------------
+
+
+def test_sibling_trees_lay_out_the_chain_and_its_most_probable_other_tokens() -> None:
+    """k = 5 nodes, two siblings a depth: three chain depths (the chain a plain drafter drafts), each chain node
+    followed by the draft's most probable other token there, the last sibling cut by the budget. Greedy rows need no
+    probabilities; a sampled batch reports the chain's distributions and one-hot rows for the siblings, and a row
+    whose distribution has one token (top-k 1) gets no sibling: a chain."""
+    _, partial, _ = pair("llama")
+    prompts = [prompt(5, 1), prompt(9, 2)]
+    plain = ModelDrafter(partial)
+    plain.start(prompts, SamplingParams(), 512)
+    chain = plain.propose(3, None).draft_ids  # [B, 3]
+    drafter = ModelDrafter(partial, siblings=2)
+    drafter.start(prompts, SamplingParams(), 512)
+    tree = drafter.propose(5, None)
+    assert tree.draft_probs is None and tree.draft_lengths.tolist() == [5, 5]
+    assert tree.parents.tolist() == [[-1, -1, 0, 0, 2]] * 2
+    assert torch.equal(tree.draft_ids[:, [0, 2, 4]], chain)
+    with torch.no_grad():  # the sibling at the root: the draft's second most probable first token
+        second = [int(partial(torch.tensor([p])).logits[0, -1, :512].topk(2).indices[1]) for p in prompts]
+    assert tree.draft_ids[:, 1].tolist() == second
+
+    sampled = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=1), SamplingParams()]
+    prompts.append(prompt(7, 4))
+    drafter = ModelDrafter(partial, siblings=2)
+    drafter.start(prompts, sampled, 512)
+    uniforms = torch.rand(3, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    uniforms[2] = 0.0  # a greedy row's
+    tree = drafter.propose(5, uniforms)
+    plain.start(prompts, sampled, 512)
+    chain = plain.propose(3, uniforms)
+    assert tree.draft_lengths.tolist() == [5, 3, 5]
+    assert tree.parents[[0, 2]].tolist() == [[-1, -1, 0, 0, 2]] * 2 and tree.parents[1, :3].tolist() == [-1, 0, 1]
+    for b, nodes in ((0, [0, 2, 4]), (1, [0, 1, 2]), (2, [0, 2, 4])):  # the chain, as drawn
+        assert torch.equal(tree.draft_ids[b, nodes], chain.draft_ids[b])
+        assert torch.allclose(tree.draft_probs[b, nodes], chain.draft_probs[b])
+    siblings = tree.draft_ids[[0, 2]][:, [1, 3]]  # [2, 2]
+    assert torch.equal(tree.draft_probs[[0, 2]][:, [1, 3]], torch.nn.functional.one_hot(siblings, 512).float())
+    assert (siblings != tree.draft_ids[[0, 2]][:, [0, 2]]).all()
+    assert int(siblings[0, 0]) == int(chain.draft_probs[0, 0].scatter(0, chain.draft_ids[0, :1], 0.0).argmax())
+    with torch.no_grad():  # the greedy row's: its second most probable token, as in an all-greedy batch
+        assert int(siblings[1, 0]) == int(partial(torch.tensor([prompts[2]])).logits[0, -1, :512].topk(2).indices[1])
+
+
+def test_sibling_trees_stop_early_with_their_chain() -> None:
+    """An early stop ends a row's chain and its siblings at that depth; every row stopped: no more draft passes."""
+    _, partial, _ = pair("llama")
+    drafter = ModelDrafter(partial, siblings=3)
+    drafter.start([prompt(5, 1), prompt(7, 2)], SamplingParams(), 512)
+    tree = drafter.propose(9, None, [1.0, 0.0])  # row 0 stops after its first depth (no probability reaches 1)
+    assert tree.draft_lengths.tolist() == [3, 9] and tree.parents[1].tolist() == [-1, -1, -1, 0, 0, 0, 3, 3, 3]
+    drafter.update([0, 0], [[1], [1]])
+    calls = drafter.calls
+    tree = drafter.propose(9, None, [1.0, 1.0])
+    assert tree.draft_lengths.tolist() == [3, 3] and drafter.calls - calls == 1
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_an_accepted_sibling_is_pending_not_cached(depth: int) -> None:
+    """The accepted path ends in the sibling at ``depth``: the draft's cache keeps the prompt and the chain above
+    it, the sibling and the final token are pending, and the next proposal drafts from the committed tokens (the
+    draft's own distribution after them; a sibling counted as cached would leave a gap)."""
+    _, partial, _ = pair("qwen2")
+    context = prompt(6, 3)
+    params = SamplingParams(temperature=1.0)
+    uniforms = torch.rand(1, 6, generator=torch.Generator().manual_seed(depth), dtype=torch.float64)
+    drafter = ModelDrafter(partial, siblings=2)
+    drafter.start([context], params, 512)
+    tree = drafter.propose(6, uniforms)  # nodes: chain 0, sibling 0, chain 1, sibling 1, chain 2, sibling 2
+    assert tree.parents.tolist() == [[-1, -1, 0, 0, 2, 2]]
+    path = [*tree.draft_ids[0, [0, 2, 4][:depth]].tolist(), int(tree.draft_ids[0, 2 * depth + 1])]
+    drafter.update([depth + 1], [[*path, 7]])
+    assert drafter.cached.tolist() == [len(context) + depth] and drafter.pending == [[path[-1], 7]]
+    following = drafter.propose(2, uniforms)
+    with torch.no_grad():
+        expected = torch.softmax(partial(torch.tensor([[*context, *path, 7]])).logits[0, -1, :512], dim=-1)
+    assert torch.allclose(following.draft_probs[0, 0], expected, atol=1e-5)

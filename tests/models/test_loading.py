@@ -345,3 +345,38 @@ def test_eos_ids_ignore_templates_without_a_special_end_and_plain_words() -> Non
         assert chat_end_token_id(tokenizer) is None
         # "<|endoftext|>" here is an ordinary word of the vocabulary, not a special token: it never stops
         assert eos_token_ids(tokenizer) == [2]
+
+
+def test_a_draft_model_proposes_siblings_where_the_target_scores_wide_trees_cheaply() -> None:
+    """``model_siblings``: a chain node's sibling a depth (``ModelDrafter(siblings=2)``) where the target scores trees
+    and a 9-token pass costs under 1.5 one-token passes (as on a GPU), a chain where each token costs a share of a
+    pass (llama.cpp on a CPU, measured) or the target scores chains only."""
+    from types import SimpleNamespace
+
+    from verispec.factory import model_siblings
+    from verispec.models.pass_cost import PassCostCurve
+
+    llama_cpu = PassCostCurve((1, 2, 4, 8, 16, 32), (0.028, 0.045, 0.070, 0.122, 0.135, 0.161))
+    gpu = PassCostCurve((1, 2, 4, 8, 16, 32), (0.010, 0.010, 0.010, 0.011, 0.012, 0.014))
+    assert model_siblings(SimpleNamespace(tree_branches=64, pass_cost=gpu)) == 2
+    assert model_siblings(SimpleNamespace(tree_branches=5, pass_cost=llama_cpu)) == 1
+    assert model_siblings(SimpleNamespace(tree_branches=1, pass_cost=gpu)) == 1
+
+
+def test_load_gives_a_draft_model_siblings_where_they_pay(code_models: dict[str, str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``model_siblings`` says so, ``load`` drafts with ``ModelDrafter(draft, siblings=2)``: trees drafted, the
+    target's own greedy output."""
+    import verispec.factory
+    from verispec.drafters import ModelDrafter
+
+    monkeypatch.setattr(verispec.factory, "model_siblings", lambda backend: 2)
+    msgs: list[str] = []
+    decoder, tokenizer = verispec.load(code_models["target"], code_models["draft"], fast=False, num_draft_tokens=4,
+                                       calibrate=False, progress=msgs.append)
+    assert isinstance(decoder.drafter, ModelDrafter) and decoder.drafter.siblings == 2
+    assert any("a tree of its chain" in m for m in msgs)
+    ids = tokenizer("x + 1 x + 1 x +")["input_ids"]
+    out = decoder.generate([ids], max_new_tokens=12)
+    assert out.tokens[0] == decoder.generate([ids], max_new_tokens=12, draft=None).tokens[0]
+    assert out.stats.tree_drafts > 0

@@ -178,7 +178,8 @@ class SpeculativeDecoder:
         self.device = model_device(target_model)
         new_cache(target_model, check=True)  # refuses models whose cache cannot be rolled back, before any work
         self._vocab_size_arg = vocab_size
-        self.limits = self._limits_with(draft_model)
+        # A draft model's limits bind whether it comes alone or in a ModelDrafter (the factory's sibling trees).
+        self.limits = self._limits_with(drafter.model if isinstance(drafter, ModelDrafter) else draft_model)
         self.drafter = ModelDrafter(draft_model.eval()) if draft_model is not None else drafter
         self.num_draft_tokens = num_draft_tokens
         self.model_lock = threading.RLock()  # serialises the model passes of overlapping batches

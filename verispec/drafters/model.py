@@ -55,19 +55,32 @@ class ModelDrafter(Drafter):
 
     The cache comes from the model's own opener (``models.cache.new_cache``): a ``CachedLM`` for a torch model, a
     ``LlamaCache`` for a GGUF on llama.cpp (``models/llamacpp.py``); both hold exactly the rows of the batch.
+
+    With ``siblings`` = s > 1 it proposes a tree (``core/tree.py``) whose trunk is the chain above, drafted and fed
+    to the cache exactly as without siblings, at ``ceil(k / s)`` depths of a ``k``-node budget: after each chain
+    node come up to s - 1 sibling leaves (same parent, no children), the draft's most probable other tokens there
+    (the processed distribution the chain token was drawn from, greedy rows its softmax, without the chain token
+    and tokens of probability 0), most probable first, until the budget is spent. A sibling is a deterministic
+    function of its path and its earlier siblings (the chain token first), so its draft distribution is one-hot at
+    its token and recursive rejection stays exact (``core/tree.py``'s guarantee); the tree's shape depends on the
+    drafted tokens only. Siblings never enter the draft's cache: when the accepted path ends in one, the cache
+    keeps the chain up to its parent, and the sibling is pending with the final token.
     """
 
     # Pending tokens a row holds between steps that draft (its last token, or its last draft and the bonus):
     # more means it lags, and the catch-up feeds it.
     in_step_pending = 2
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, siblings: int = 1) -> None:
+        if siblings < 1:
+            raise ValueError(f"siblings must be >= 1 (1: chains), got {siblings}")
         self.lm = new_cache(model, check=True)
         self.model = model
+        self.siblings = siblings
         self.calls = 0
 
     def fork(self) -> ModelDrafter:
-        return ModelDrafter(self.model)
+        return ModelDrafter(self.model, self.siblings)
 
     def close(self) -> None:
         self.lm.close()
@@ -83,6 +96,7 @@ class ModelDrafter(Drafter):
         self.pending: list[list[int]] = []
         self.cached = torch.zeros(0, dtype=torch.long)  # [B] tokens in cache per row
         self._fed_drafts: int | None = None  # drafts fed to the cache by the last proposal
+        self._chain_ids: torch.Tensor | None = None  # [B, depths] the last tree's chain tokens (siblings > 1)
         self._ready_logits: torch.Tensor | None = None  # [B, V] after a catch-up pass, for the next proposal
         self.add_rows(prompts, per_row(sampling, len(prompts)))
 
@@ -158,6 +172,7 @@ class ModelDrafter(Drafter):
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         k = num_draft_tokens
+        depths = -(-k // self.siblings)  # chain tokens; the rest of the node budget goes to their siblings
         unprefilled = self._unprefilled()
         if unprefilled:  # a caller that did not catch up first
             self._prefill(unprefilled)
@@ -167,13 +182,13 @@ class ModelDrafter(Drafter):
         processed = any(p.processed for p in self.params)
         confidence = None
         if stop_below is not None and any(stop_below):
-            confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], k, self.lm.device)
-        draft_ids, draft_probs = [], []
+            confidence = _BlockConfidence(stop_below, [p.greedy for p in self.params], depths, self.lm.device)
+        draft_ids, draft_probs, sibling_ids, sibling_real = [], [], [], []
         if self._ready_logits is not None:  # the catch-up fed the pending tokens
             logits, self._ready_logits = self._ready_logits, None
         else:
             logits = self._next_logits(ids, mask, padded_positions(mask, self.cached))  # [B, V]
-        for j in range(k):
+        for j in range(depths):
             if j > 0:
                 step_ids = draft_ids[-1][:, None]  # [B, 1]
                 logits = self._next_logits(step_ids, torch.ones_like(step_ids, dtype=torch.bool),
@@ -188,15 +203,37 @@ class ModelDrafter(Drafter):
                 probs = row_probs(logits, self.params)  # [B, V]
                 draft_probs.append(probs)
                 draft_ids.append(sample_from_probs(probs, uniforms[:, j]))
-            if confidence is not None and j < k - 1 and confidence.all_stopped_after(j, logits, draft_ids[-1], probs):
+            if self.siblings > 1:
+                found = self._sibling_candidates(logits, probs, draft_ids[-1])
+                sibling_ids.append(found[0])
+                sibling_real.append(found[1])
+            last = j == depths - 1
+            if not last and confidence is not None and confidence.all_stopped_after(j, logits, draft_ids[-1], probs):
                 break  # every row stopped: no more draft passes this step
         drafted = len(draft_ids)
         self._fed_drafts = drafted - 1  # the last draft token is not fed until the next proposal
-        return Proposal(
-            draft_ids=torch.stack(draft_ids, dim=1),  # [B, drafted]
-            draft_probs=torch.stack(draft_probs, dim=1) if draft_probs else None,  # [B, drafted, V]
-            draft_lengths=None if confidence is None else confidence.lengths.clamp(max=drafted),
-        )
+        chain_ids = torch.stack(draft_ids, dim=1)  # [B, drafted]
+        chain_probs = torch.stack(draft_probs, dim=1) if draft_probs else None  # [B, drafted, V]
+        lengths = None if confidence is None else confidence.lengths.clamp(max=drafted)  # [B] chain tokens
+        if self.siblings == 1:
+            return Proposal(draft_ids=chain_ids, draft_probs=chain_probs, draft_lengths=lengths)
+        self._chain_ids = chain_ids
+        return sibling_tree(chain_ids, chain_probs, torch.stack(sibling_ids, dim=1), torch.stack(sibling_real, dim=1),
+                            lengths, k)
+
+    def _sibling_candidates(self, logits: torch.Tensor, probs: torch.Tensor | None,
+                            chain_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A depth's sibling candidates: the ``siblings - 1`` most probable tokens other than the chain's
+        (``chain_ids [B]``) under the distribution it was drawn from (``probs [B, V]``; a greedy row's, or every
+        row's when ``probs`` is None: the softmax of the processed ``logits [B, V]``), most probable first.
+        Returns their ids ``[B, m]`` and whether each is real (probability > 0) ``[B, m]``, m = min(s - 1, V)."""
+        ranking = torch.softmax(logits.float(), dim=-1)  # [B, V]
+        if probs is not None:
+            greedy = torch.tensor([p.greedy for p in self.params], dtype=torch.bool, device=logits.device)  # [B]
+            ranking = torch.where(greedy[:, None], ranking, probs)
+        ranking = ranking.scatter(1, chain_ids[:, None], 0.0)  # the chain token is tried first, never again
+        values, ids = ranking.topk(min(self.siblings - 1, ranking.shape[-1]), dim=-1)  # [B, m]
+        return ids, values > 0
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for generated, tokens in zip(self.generated, new_tokens):
@@ -206,6 +243,12 @@ class ModelDrafter(Drafter):
             return
         fed = self._fed_drafts
         kept = [min(n, fed) for n in num_accepted]  # drafts that were fed and accepted stay in the cache
+        if self._chain_ids is not None:  # a tree: a path ending in a sibling leaf (its token is not the chain's
+            # there) kept the chain up to the sibling's parent, all fed; the sibling was not, so it is pending
+            chains = self._chain_ids.tolist()
+            kept = [n - 1 if 0 < n <= len(tokens) and tokens[n - 1] != chain[n - 1] else c
+                    for n, c, tokens, chain in zip(num_accepted, kept, new_tokens, chains)]
+            self._chain_ids = None
         self.cached += torch.tensor([len(p) + c for p, c in zip(self.pending, kept)], dtype=torch.long)
         if fed:  # the drafts fed past the accepted ones leave the cache: each row keeps its committed tokens
             self.lm.rollback(self.cached.tolist())
@@ -219,3 +262,39 @@ class ModelDrafter(Drafter):
         self.generated = [self.generated[r] for r in rows]
         self.pending = [self.pending[r] for r in rows]
         self.cached = self.cached[torch.tensor(rows, dtype=torch.long)]
+
+
+def sibling_tree(chain_ids: torch.Tensor, chain_probs: torch.Tensor | None, sibling_ids: torch.Tensor,
+                 sibling_real: torch.Tensor, chain_lengths: torch.Tensor | None, num_nodes: int) -> Proposal:
+    """A chain with sibling leaves as a tree proposal of at most ``num_nodes`` nodes per row: depth by depth, the
+    chain node (``chain_ids [B, D]``, drawn from ``chain_probs [B, D, V]`` or None: every row greedy), then that
+    depth's real siblings (``sibling_ids [B, D, m]`` where ``sibling_real [B, D, m]``) under the same parent, for
+    each row's first ``chain_lengths [B]`` depths (None: all D). A sibling's draft distribution is one-hot at its
+    token (a deterministic choice). Node order is topological: a depth's nodes hang under the depth before's chain
+    node. ``draft_lengths`` holds each row's node count; its filler (token 0, parent -1, zero rows) follows."""
+    batch_size, depths = chain_ids.shape
+    device = chain_ids.device
+    candidate_ids = torch.cat([chain_ids[:, :, None], sibling_ids], dim=2)  # [B, D, 1+m]
+    width = candidate_ids.shape[2]
+    live = torch.arange(depths, device=device)[None] < (depths if chain_lengths is None
+                                                         else chain_lengths.to(device)[:, None])  # [B, D]
+    live = live.expand(batch_size, depths)
+    real = torch.cat([live[:, :, None], sibling_real & live[:, :, None]], dim=2)  # [B, D, 1+m]
+    slot = real.flatten(1).cumsum(dim=1).view(batch_size, depths, width) - 1  # [B, D, 1+m] a real one's node index
+    size = min(num_nodes, depths * width)
+    at = torch.where(real & (slot < num_nodes), slot, size)  # [B, D, 1+m]; the rest to a spare column, cut below
+    chain_at = slot[:, :, 0]  # [B, D] each depth's chain node
+    parent = torch.cat([chain_at.new_full((batch_size, 1), -1), chain_at[:, :-1]], dim=1)  # [B, D]
+    token_ids = chain_ids.new_zeros(batch_size, size + 1).scatter_(1, at.flatten(1), candidate_ids.flatten(1))
+    parents = chain_ids.new_full((batch_size, size + 1), -1).scatter_(
+        1, at.flatten(1), parent[:, :, None].expand(batch_size, depths, width).flatten(1))  # [B, size+1]
+    draft_probs = None
+    if chain_probs is not None:
+        vocab_size = chain_probs.shape[-1]
+        probs = chain_probs.new_zeros(batch_size, size + 1, vocab_size)  # [B, size+1, V]
+        probs.scatter_(1, at[:, :, :1].expand(batch_size, depths, vocab_size), chain_probs)  # as drawn
+        one_hot = at[:, :, 1:] * vocab_size + sibling_ids  # [B, D, m] flat index of each sibling's own token
+        probs.view(batch_size, -1).scatter_(1, one_hot.flatten(1), 1.0)
+        draft_probs = probs[:, :size]  # [B, size, V]
+    return Proposal(draft_ids=token_ids[:, :size], draft_probs=draft_probs,
+                    draft_lengths=(at < size).flatten(1).sum(dim=1), parents=parents[:, :size])
