@@ -70,8 +70,7 @@ class IncrementalDecoder:
 
     def pending(self) -> str:
         """The text held back so far, without returning it: what ``flush`` would return now."""
-        text = self.decode(self._window)
-        return text[len(self._read_text):] if len(text) > len(self._read_text) else ""
+        return self.decode(self._window)[len(self._read_text):]
 
     def _advance(self, text: str) -> str:
         piece = text[len(self._read_text):]
