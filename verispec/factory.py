@@ -45,7 +45,7 @@ GUESSED_TOKENS, CHEAP_GUESSES = 4, 1.5
 # Prompt lookup proposes a tree of its match's last LOOKUP_MATCHES occurrences where the target scores trees and a
 # pass of 1 + LOOKUP_TREE_WIDTH tokens costs less than CHEAP_GUESSES one-token passes: the extra branches come
 # almost free there; elsewhere each node costs a share of a pass, and the most recent match's chain is proposed.
-LOOKUP_MATCHES, LOOKUP_TREE_WIDTH = 3, 8
+LOOKUP_MATCHES, LOOKUP_TREE_WIDTH = 3, 7  # 1 + 7: a measured width of the pass-cost curve (widths between round up)
 
 
 def lookup_matches(backend: Any) -> int:
@@ -59,7 +59,7 @@ def lookup_matches(backend: Any) -> int:
 # A draft model proposes its chain with each position's next most probable token beside it (MODEL_SIBLINGS nodes a
 # depth, ``ModelDrafter(siblings=...)``) where the target scores trees and a pass of 1 + MODEL_SIBLINGS *
 # MODEL_TREE_DEPTHS tokens costs less than CHEAP_GUESSES one-token passes; elsewhere a sibling costs a share of a pass.
-MODEL_SIBLINGS, MODEL_TREE_DEPTHS = 2, 4
+MODEL_SIBLINGS, MODEL_TREE_DEPTHS = 2, 3  # 1 + 2 * 3 = 7, priced at the measured 8
 
 
 def model_siblings(backend: Any) -> int:

@@ -333,7 +333,12 @@ class DecodeBatch:
             if proposal.parents is not None and k:
                 lengths = torch.minimum(lengths, _within_branches(proposal.parents, self.backend.tree_branches)
                                         .to(self.device))
-                tree = trees.DraftTree(draft_ids, proposal.parents.to(self.device), lengths, proposal.draft_probs)
+                parents = proposal.parents.to(self.device)
+                columns = torch.arange(k, device=self.device)
+                if ((parents == columns - 1) | (columns >= lengths[:, None])).all():
+                    pass  # every row's nodes (as cut) are a chain: scored and verified as one
+                else:
+                    tree = trees.DraftTree(draft_ids, parents, lengths, proposal.draft_probs)
             with host_threads(self.backend):
                 target_logits = self._score(draft_ids, tree)  # [B, k+1, V]
         with host_threads(self.backend):

@@ -390,6 +390,7 @@ class LlamaCache:
                                          f"{self.model.tree_branches}")
                     seqs = [row.seq] + self.model._acquire_branches(len(leaves) - 1)
                     self._trees[b] = _Tree(positions[b][columns[0]], seqs, leaves, sees[b], positions[b])
+                    end = max(positions[b][j] for j in columns) + 1  # the row's positions after the pass
                     if row.opening is not None:  # the root is in memory already, in the row's sequence only
                         token, opening_logits = row.opening
                         first = columns.pop(0)
@@ -402,9 +403,10 @@ class LlamaCache:
                     for j in columns:
                         work.append((b, j, ids[b][j], positions[b][j],
                                      tuple(seq for seq, leaf in zip(seqs, leaves) if sees[b][leaf][j])))
-                    row.length = max(positions[b][j] for j in columns) + 1
-                for start in range(0, len(work), context.capacity):
-                    chunk = work[start:start + context.capacity]
+                    row.length = end
+                step = min(self.model.pass_cap or context.capacity, context.capacity)  # the bitwise mode's cut
+                for start in range(0, len(work), step):
+                    chunk = work[start:start + step]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk], [w[4] for w in chunk],
                                          [True] * len(chunk))
                     for (b, j, _, _, _), row_logits in zip(chunk, out):
