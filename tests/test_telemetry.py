@@ -84,4 +84,4 @@ TO_DICT_KEYS = {
     "prefill_time_s", "draft_time_s", "target_time_s", "verify_time_s", "total_time_s", "controller_steps",
     "controller_last", "sources", "acceptance_rate", "per_position_acceptance", "conditional_acceptance",
     "iid_acceptance", "mean_accepted_length", "tokens_per_target_pass", "tokens_per_row_step", "tokens_per_second",
-    "mean_draft_length"}
+    "mean_draft_length", "tree_drafts", "tree_nodes", "forks_won"}
