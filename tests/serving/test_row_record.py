@@ -145,6 +145,8 @@ def test_every_view_of_a_served_row_reads_its_record(server) -> None:
     assert samples["verispec_draft_tokens_total"] == total.draft_tokens
     assert samples["verispec_accepted_tokens_total"] == total.accepted_tokens
     assert samples["verispec_drafts_total"] == total.num_drafts
+    assert [samples[f"verispec_{name}_total"] for name in ("tree_drafts", "tree_nodes", "forks_won")] == [
+        total.tree_drafts, total.tree_nodes, total.forks_won]
     assert samples["verispec_acceptance_rate"] == pytest.approx(total.acceptance_rate)
     assert [samples[f'verispec_accepted_tokens_per_position_total{{position="{i}"}}']
             for i in range(len(total.accepted_per_position))] == total.accepted_per_position

@@ -104,6 +104,10 @@ class Metrics:
         self.accepted_tokens = counter("verispec_accepted_tokens_total", "Draft tokens the target accepted.")
         self.accepted_per_position = counter("verispec_accepted_tokens_per_position_total", "Draft tokens accepted "
                                              "at each position of their block (0: the first draft).", ["position"])
+        self.trees = {name: counter(f"verispec_{name}_total", text) for name, text in (
+            ("tree_drafts", "Blocks of draft tokens scored as a tree (several continuations in one pass)."),
+            ("tree_nodes", "Nodes of those trees (all branches; they count as draft tokens too)."),
+            ("forks_won", "Tree blocks whose accepted path left the first branch: tokens a chain would have lost."))}
         by_drafter = [("consulted", "Row steps that asked this drafter for a draft."),
                       ("hits", "Row steps where this drafter had a draft (a lookup found a continuation)."),
                       ("drafts", "Blocks of this drafter's draft tokens scored by the target."),
@@ -135,6 +139,8 @@ class Metrics:
         self.accepted_tokens.inc(stats.accepted_tokens)
         for position, count in enumerate(stats.accepted_per_position):
             self.accepted_per_position.labels(str(position)).inc(count)
+        for name, counter in self.trees.items():
+            counter.inc(getattr(stats, name))
         for drafter, counts in stats.sources.items():
             for name, counter in self.by_drafter.items():
                 counter.labels(drafter).inc(getattr(counts, name))
