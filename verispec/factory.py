@@ -194,7 +194,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
          dtype: torch.dtype | str | None = None, fast: bool = True, draft_quant: str = "int4",
          cross_tokenizer: str = "text", suffix_cache_size: int | None = None, suffix_scope: str = "global",
          progress: Progress | None = None, calibrate: bool = True, backend: str = "auto",
-         llama_settings: Any = None, bitwise: bool | None = None,
+         llama_settings: Any = None, bitwise: bool | None = None, trees: bool = False,
          **decoder_options: Any) -> tuple[SpeculativeDecoder, PreTrainedTokenizerBase]:
     """``(SpeculativeDecoder, tokenizer)`` for ``target`` and an optional ``draft``.
 
@@ -212,6 +212,10 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     target decides every token. ``progress(message)`` receives one line per loading step.
     ``calibrate`` (on by default): time a few short greedy steps at several draft lengths before returning
     (``decode/calibrate.py``, seconds on a CPU), so that the first call already knows whether drafting pays.
+    ``trees`` (off by default; ``--trees``): drafts as trees where the target scores them and a wider pass costs
+    little (``docs/trees.md``): suffix decoding's tree where it beats its chain per step, prompt lookup's last matches
+    merged, a draft model's chain with sibling leaves. Measured on a 2-core CPU they did not beat chains
+    (``benchmarks/suffix/README.md``, "Draft trees"), so chains are the default.
     ``decoder_options`` go to ``SpeculativeDecoder`` (``num_draft_tokens``, ``stop_drafting``, ``vocab_size``,
     default ``len(tokenizer)``).
     ``backend``: what runs the target: ``"torch"``, ``"llama.cpp"`` (a GGUF on llama.cpp's CPU kernels and memory,
@@ -271,7 +275,7 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         draft = None
     drafter, draft_model = None, None
     if draft == "ngram":
-        drafter = NGramDrafter(matches=lookup_matches(backend))
+        drafter = NGramDrafter(matches=lookup_matches(backend) if trees else 1)
         if drafter.matches > 1:
             say(progress, f"draft: prompt lookup, a tree of its match's last {drafter.matches} continuations (a "
                           f"{1 + LOOKUP_TREE_WIDTH}-token pass costs under {CHEAP_GUESSES} one-token passes here)")
@@ -292,9 +296,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
                           "share (exact)")
             draft_model = None
     if suffix:
-        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend, progress)
+        drafter = _suffix_drafter(suffix_cache_size, suffix_scope, drafter, draft_model, backend, progress, trees)
         draft_model = None
-    elif draft_model is not None and (siblings := model_siblings(backend)) > 1:
+    elif draft_model is not None and trees and (siblings := model_siblings(backend)) > 1:
         drafter, draft_model = ModelDrafter(draft_model.eval(), siblings), None
         say(progress, f"draft: a tree of its chain and each position's next most probable token (a "
                       f"{1 + MODEL_SIBLINGS * MODEL_TREE_DEPTHS}-token pass costs under {CHEAP_GUESSES} one-token "
@@ -342,7 +346,7 @@ def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokeni
 
 
 def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draft_model: PreTrainedModel | None,
-                    backend: Any, progress: Progress | None) -> Any:
+                    backend: Any, progress: Progress | None, trees: bool = False) -> Any:
     """Suffix decoding, alone or (given a draft) before it: ``CompositeDrafter(suffix, draft)``."""
     from .drafters.suffix import DEFAULT_CACHE_SIZE, SuffixDrafter
 
@@ -350,7 +354,8 @@ def _suffix_drafter(cache_size: int | None, scope: str, model_drafter: Any, draf
     fallback = ModelDrafter(draft_model.eval()) if draft_model is not None else model_drafter
     # Beside a model, suffix drafts only as long as their match (vLLM's offset 0): the offset's guesses after a
     # short match would score like a long copy and take rows from a model that is usually right.
-    settings = suffix_settings(backend.pass_cost, backend.tree_branches > 1) if fallback is None else suffix_beside_model()
+    settings = (suffix_settings(backend.pass_cost, trees and backend.tree_branches > 1) if fallback is None
+                else suffix_beside_model())
     suffix = SuffixDrafter(cache_size, scope, settings)
     say(progress, f"draft: suffix decoding ({cache_size} earlier responses kept, scope {scope!r})"
                   + ("; the model where it pays more, row by row" if fallback is not None else ""))

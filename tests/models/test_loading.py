@@ -373,8 +373,10 @@ def test_load_gives_a_draft_model_siblings_where_they_pay(code_models: dict[str,
     monkeypatch.setattr(verispec.factory, "model_siblings", lambda backend: 2)
     msgs: list[str] = []
     decoder, tokenizer = verispec.load(code_models["target"], code_models["draft"], fast=False, num_draft_tokens=4,
-                                       calibrate=False, progress=msgs.append)
+                                       calibrate=False, progress=msgs.append, trees=True)
     assert isinstance(decoder.drafter, ModelDrafter) and decoder.drafter.siblings == 2
+    chains, _ = verispec.load(code_models["target"], code_models["draft"], fast=False, calibrate=False)
+    assert chains.drafter.siblings == 1  # trees are opt-in
     assert any("a tree of its chain" in m for m in msgs)
     ids = tokenizer("x + 1 x + 1 x +")["input_ids"]
     out = decoder.generate([ids], max_new_tokens=12)

@@ -51,6 +51,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                              "loop's token for token (probed per build; on several threads llama.cpp allows only "
                              "one-token passes: the target runs alone). Default: exact in distribution, passes on "
                              "the fastest kernels (greedy may differ at near-ties; docs/llamacpp.md)")
+    parser.add_argument("--trees", action="store_true",
+                        help="draft trees where the target scores them and wider passes cost little (suffix, ngram, "
+                             "a draft model; docs/trees.md); off by default: on a 2-core CPU they did not beat chains")
     parser.add_argument("--llama-threads", type=int, default=None, metavar="N",
                         help="threads for llama.cpp's kernels (default: every CPU this process may use; with "
                              "--bitwise, 1 allows bitwise passes of several tokens, docs/llamacpp.md)")

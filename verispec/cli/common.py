@@ -41,7 +41,7 @@ def load_options(args: argparse.Namespace) -> dict:
             "draft_quant": getattr(args, "draft_quant", "int4"),
             "cross_tokenizer": getattr(args, "cross_tokenizer", "text"),
             "stop_drafting": getattr(args, "stop_drafting", True), "backend": getattr(args, "backend", "auto"),
-            "bitwise": getattr(args, "bitwise", False), **suffix_options(args)}
+            "bitwise": getattr(args, "bitwise", False), "trees": getattr(args, "trees", False), **suffix_options(args)}
 
 
 def llama_settings(args: argparse.Namespace):
@@ -99,7 +99,7 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
     from ..models import LoadError
 
     options = load_options(args)
-    for unchecked in ("fast", "llama_settings", "bitwise"):  # what load takes but check_load_options does not
+    for unchecked in ("fast", "llama_settings", "bitwise", "trees"):  # what load takes but check_load_options does not
         del options[unchecked]
     try:
         check_load_options(args.target, args.draft, here=here, **options)

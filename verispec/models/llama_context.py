@@ -91,6 +91,7 @@ class LlamaSettings:
     # the most logits rows one call returns (None: ``n_batch``, llama.cpp's default); llama.cpp reserves its compute
     # buffer for that many (~300 MiB at 512 for a 0.5B model), so a draft, one row of logits per row, asks for few
     outputs: int | None = None
+    trees: bool = True  # spare sequence ids for draft trees' branches (``branch_seqs``); a draft scores none
     bitwise: bool = False
     streams: bool | None = None
 
@@ -119,7 +120,7 @@ class LlamaSettings:
         """Spare sequence ids for draft trees' branches (``LlamaCache``): ``BRANCHES_PER_ROW`` per row, within
         llama.cpp's ``LLAMA_MAX_SEQ``; none with a stream per row (a stream's sequence cannot share cells) or in the
         bitwise mode (trees there are not probed)."""
-        if self.per_row_streams() or self.bitwise:
+        if self.per_row_streams() or self.bitwise or not self.trees:
             return 0
         return min(BRANCHES_PER_ROW * self.n_seq_max, MAX_SEQ - self.n_seq_max)
 

@@ -524,8 +524,10 @@ def draft_settings(target: LlamaSettings) -> LlamaSettings:
     ``streams``: it holds the same rows, never more tokens per row) and threads, with llama.cpp's fast defaults
     (weight repacking on) and passes uncut, since the target verifies every token a draft proposes. A draft pass
     returns one row of logits per row (its next token's), so its compute buffer is reserved for ``n_seq_max``
-    outputs, not ``n_batch`` (as llama-server sizes its own)."""
-    return replace(target, repack=True, bitwise=False, streams=target.per_row_streams(), outputs=target.n_seq_max)
+    outputs, not ``n_batch`` (as llama-server sizes its own), and it scores no trees (llama.cpp reserves an output
+    row per sequence id: spare branch ids would cost it ~0.6 MB each)."""
+    return replace(target, repack=True, bitwise=False, streams=target.per_row_streams(), outputs=target.n_seq_max,
+                   trees=False)
 
 
 def load_llama_draft(path: str | os.PathLike, target: LlamaSettings,
