@@ -38,7 +38,7 @@ from run import cpu_name, encode, log  # noqa: E402
 import verispec  # noqa: E402
 from verispec.drafters import SuffixDrafter  # noqa: E402
 from verispec.drafters.suffix import SuffixSettings  # noqa: E402
-from verispec.models.cache import new_cache  # noqa: E402
+from verispec.models.backend import new_cache  # noqa: E402
 
 PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 GRID = {

@@ -27,7 +27,8 @@ from verispec.core.sampling import SamplingParams, probs_from_logits
 from verispec.drafters import Drafter, NGramDrafter, Proposal
 from verispec.drafters.ngram import lookup_proposal
 from verispec.models import seq2seq
-from verispec.models.cache import CachedLM, new_cache
+from verispec.models.backend import new_cache
+from verispec.models.cache import CachedLM
 from verispec.models.capability import PADDING_CHANGES, SLOT_DEPENDENT, UnsupportedModelError
 from verispec.models.seq2seq import Seq2SeqLM, SourcePrompt, require_exact_seq2seq
 

@@ -29,8 +29,8 @@ from ..core.block import check_verification
 from ..core.logprobs import TokenLogprob
 from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
-from ..models.cache import CacheFullError, model_device, new_cache
-from ..models.backend import backend_of, is_model
+from ..models.backend import backend_of, is_model, new_cache
+from ..models.cache import CacheFullError, model_device
 from ..models.seq2seq import decoder_start
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.controller import MOST_DRAFTS, PassCost

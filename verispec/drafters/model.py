@@ -9,8 +9,8 @@ import torch
 
 from ..core.processors import TokenHistory, process_logits
 from ..core.sampling import SamplingParams, row_probs, sample_from_probs
-from ..models.backend import backend_of
-from ..models.cache import left_pad, new_cache, padded_positions
+from ..models.backend import backend_of, new_cache
+from ..models.cache import left_pad, padded_positions
 from ..models.seq2seq import Seq2SeqLM
 from .base import Drafter, Proposal, per_row
 
@@ -53,7 +53,7 @@ class ModelDrafter(Drafter):
     that joins while the speculation controller keeps the draft off, and leaves before it drafts, costs no draft
     pass.
 
-    The cache comes from the model's own opener (``models.cache.new_cache``): a ``CachedLM`` for a torch model, a
+    The cache comes from the model's own opener (``models.backend.new_cache``): a ``CachedLM`` for a torch model, a
     ``LlamaCache`` for a GGUF on llama.cpp (``models/llamacpp.py``); both hold exactly the rows of the batch.
 
     With ``siblings`` = s > 1 it proposes a tree (``core/tree.py``) whose trunk is the chain above, drafted and fed

@@ -161,6 +161,22 @@ class TorchBackend:
         self.close()
 
 
+def new_cache(model: PreTrainedModel, check: bool = False):
+    """A cache for one batch of ``model``'s rows: a ``CachedLM`` (a ``Seq2SeqLM`` for an encoder-decoder model), or
+    the backend's own for a model that opens its caches itself (``model.new_cache()``: the llama.cpp backend's
+    ``LlamaModel``, same contract)."""
+    opener = getattr(model, "new_cache", None)
+    if opener is not None:
+        return opener()
+    if getattr(model.config, "is_encoder_decoder", False):  # its encoder reads each row's source once
+        from .seq2seq import Seq2SeqLM
+
+        return Seq2SeqLM(model, check)
+    from .cache import CachedLM
+
+    return CachedLM(model, check)
+
+
 def backend_of(model: object, bitwise: bool | None = None) -> TargetBackend:
     """``model`` behind the backend contract: a backend's own model (llama.cpp's ``LlamaModel``, whose mode was
     chosen at load: ``ValueError`` if ``bitwise`` asks the other) as it is, a torch module wrapped in a

@@ -61,20 +61,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def new_cache(model: PreTrainedModel, check: bool = False):
-    """A cache for one batch of ``model``'s rows: a ``CachedLM`` (a ``Seq2SeqLM`` for an encoder-decoder model), or
-    the backend's own for a model that opens its caches itself (``model.new_cache()``: the llama.cpp backend's
-    ``LlamaModel``, same contract)."""
-    opener = getattr(model, "new_cache", None)
-    if opener is not None:
-        return opener()
-    if getattr(model.config, "is_encoder_decoder", False):  # its encoder reads each row's source once
-        from .seq2seq import Seq2SeqLM
-
-        return Seq2SeqLM(model, check)
-    return CachedLM(model, check)
-
-
 @contextmanager
 def host_threads(model: object) -> Iterator[None]:
     """``with host_threads(model):`` the loop's own tensor work around a pass of ``model`` (vocabulary-sized
