@@ -42,7 +42,7 @@ from verispec.drafters.suffix import ResponseTrees, SuffixSettings  # noqa: E402
 from verispec.factory import suffix_beside_model  # noqa: E402
 
 METHODS = ("alone", "suffix", "ngram", "model_0.5b_int4", "suffix+model", "suffix_no_offset", "suffix+model_offset4",
-           "suffix_tree", "ngram_tree", "model_tree")  # *_tree: draft trees (issue 42) beside the same chains
+           "suffix_tree", "ngram_tree", "model_tree", "suffix_tree_wide")  # *_tree: draft trees (issue 42) beside the same chains
 
 
 def stdlib_function(module: str, name: str) -> str:
@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
                 "suffix_no_offset": vllm_suffix,
                 # suffix+model whose suffix part drafts with the lone drafter's offset 4 (the factory uses 0 there)
                 "suffix+model_offset4": CompositeDrafter(offset_suffix, ModelDrafter(draft_model)),
-                "suffix_tree": tree_suffix, "ngram_tree": NGramDrafter(matches=3)}
+                "suffix_tree": tree_suffix, "ngram_tree": NGramDrafter(matches=3),
+                # trees with twice the node budget per matched token (the chain's too): wider passes, more forks
+                "suffix_tree_wide": SuffixDrafter(scope="global", settings=replace(tree_suffix.settings,
+                                                                                   max_spec_factor=2.0))}
     if "model_tree" in methods:
         drafters["model_tree"] = ModelDrafter(draft_model, siblings=2)
     log("warm-up: kernels of each shape, and each drafter's speculation controller")
@@ -164,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
               "settings": vars(args), "methods": list(methods), "prompts": prompts, "records": []}
     records = report["records"]
     for repeat in range(args.repeats):
-        for tree_owner in (suffix, combined_suffix, vllm_suffix, offset_suffix, tree_suffix):  # nothing from before
+        for tree_owner in (suffix, combined_suffix, vllm_suffix, offset_suffix, tree_suffix,
+                           drafters["suffix_tree_wide"]):  # nothing from before
             tree_owner.trees = ResponseTrees(tree_owner.trees.cache_size, tree_owner.settings.max_depth)
         for index, (prompt, ids) in enumerate(zip(prompts, encoded)):
             # The first pass of a new shape builds its kernels (a prompt's prefill): untimed, before any method;
