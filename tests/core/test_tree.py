@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from grammar_support import char_tokenizer
+from verify_cases import BELOW_ONE, random_case
 
 from verispec.core.grammar import Grammar, grammar_tokenizer
 from verispec.core.logprobs import emitted_logprobs
@@ -23,7 +24,6 @@ from verispec.core.tree import (
 )
 from verispec.core.verify import verify_greedy, verify_sampled_from_uniforms
 
-BELOW_ONE = 1.0 - 2.0**-53
 
 # A tree used throughout (node: token, parent):
 #   root ─ 0:a ─ 1:c ─ 4:e
@@ -254,22 +254,9 @@ def test_chain_tree_greedy_equals_verify_greedy(use_lengths):
 
 
 def _random_chain_case(gen: torch.Generator, b: int, k: int, v: int):
-    """(draft_ids with -1 filler, draft_probs with NaN filler, target_probs, uniforms, lengths): sparse supports,
-    drafts sampled from draft_probs, uniforms including 0 and values just below 1."""
-    draft_probs = torch.rand(b, k, v, generator=gen, dtype=torch.float64)
-    draft_probs = draft_probs * (torch.rand(b, k, v, generator=gen) > 0.5)
-    draft_probs[..., 0] += 1e-3
-    draft_probs = draft_probs / draft_probs.sum(-1, keepdim=True)
-    target_probs = torch.rand(b, k + 1, v, generator=gen, dtype=torch.float64)
-    target_probs = target_probs * (torch.rand(b, k + 1, v, generator=gen) > 0.5)
-    target_probs[..., -1] += 1e-3
-    target_probs = target_probs / target_probs.sum(-1, keepdim=True)
-    draft_ids = torch.multinomial(draft_probs.reshape(-1, v), 1, generator=gen).reshape(b, k)
-    uniforms = torch.rand(b, k + 1, generator=gen, dtype=torch.float64)
-    special = torch.tensor([0.0, BELOW_ONE, 1 - 2.0**-30, 0.5], dtype=torch.float64)
-    pick = torch.randint(len(special), (b, k + 1), generator=gen)
-    uniforms = torch.where(torch.rand(b, k + 1, generator=gen) < 0.3, special[pick], uniforms)
-    lengths = torch.randint(0, k + 1, (b,), generator=gen)
+    """``verify_cases.random_case`` with its filler made hostile: draft ids -1 and draft probabilities NaN past
+    each row's length."""
+    draft_ids, draft_probs, target_probs, uniforms, lengths = random_case(gen, b, k, v)
     real = torch.arange(k) < lengths[:, None]
     draft_ids = torch.where(real, draft_ids, -1)
     draft_probs = torch.where(real[..., None], draft_probs, float("nan"))

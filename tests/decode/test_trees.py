@@ -24,7 +24,7 @@ from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf:
 from tiny_models import build, pair  # noqa: E402
 
 from verispec.decode import SpeculativeDecoder  # noqa: E402
-from verispec.decode.batch import _within_branches  # noqa: E402
+from verispec.core.tree import within_branches  # noqa: E402
 from verispec.drafters import Drafter, ModelDrafter, Proposal  # noqa: E402
 from verispec.drafters.ngram import lookup_proposal  # noqa: E402
 from verispec.models.backend import backend_of, pass_difference  # noqa: E402
@@ -182,12 +182,12 @@ def test_rows_joining_a_running_batch_keep_their_tree_greedy_output() -> None:
 
 
 def test_a_tree_is_cut_to_the_branches_the_target_scores() -> None:
-    """``_within_branches``: the most first nodes whose tree has at most that many leaves."""
+    """``within_branches``: the most first nodes whose tree has at most that many leaves."""
     parents = torch.tensor([[-1, -1, -1, 0, 0, 3], [-1, 0, 1, 2, 3, 4]])  # three root children; a chain
-    assert _within_branches(parents, 1).tolist() == [1, 6]
-    assert _within_branches(parents, 2).tolist() == [2, 6]
-    assert _within_branches(parents, 3).tolist() == [4, 6]  # node 3 extends node 0's branch: still three
-    assert _within_branches(parents, 4).tolist() == [6, 6]
+    assert within_branches(parents, 1).tolist() == [1, 6]
+    assert within_branches(parents, 2).tolist() == [2, 6]
+    assert within_branches(parents, 3).tolist() == [4, 6]  # node 3 extends node 0's branch: still three
+    assert within_branches(parents, 4).tolist() == [6, 6]
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,18 @@ def _chi_square_p(observed: np.ndarray, law: np.ndarray) -> float:
     return chi2_pvalue(observed, law, min_expected=20)
 
 
+def _assert_target_law(target, contexts, tokens: list[list[int]], params: SamplingParams) -> None:
+    """Each context's ``ROWS_PER_CONTEXT`` rows (in order in ``tokens``): the joint law of their ``NEW`` tokens is
+    plain sampling's from ``target`` (chi-square at 1e-6)."""
+    for c, context in enumerate(contexts):
+        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for row in tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
+            counts[tuple(row)] += 1
+        p_value = _chi_square_p(counts, law)
+        assert p_value > 1e-6, (context, p_value)
+
+
 @pytest.mark.parametrize(
     "settings", [dict(temperature=1.0), dict(temperature=0.5, top_k=4), dict(temperature=2.0, top_p=0.8)]
 )
@@ -64,13 +76,7 @@ def test_sampled_tokens_follow_the_target_law(name: str, settings) -> None:
     assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate  # both branches exercised
     if name == "composite":
         assert drafter.lookup_rows >= ROWS_PER_CONTEXT and drafter.fallback.calls > 0
-    for c, context in enumerate(CONTEXTS):
-        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
-        counts = np.zeros((SMALL_VOCAB,) * NEW)
-        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
-            counts[tuple(tokens)] += 1
-        p_value = _chi_square_p(counts, law)
-        assert p_value > 1e-6, (context, p_value)
+    _assert_target_law(target, CONTEXTS, out.tokens, params)
 
 
 # Prompt lookup trees: each context's last bigram occurred twice before with different continuations, so the first
@@ -89,13 +95,7 @@ def test_sampled_tokens_follow_the_target_law_with_lookup_trees(settings) -> Non
     )
     assert out.stats.tree_drafts >= 2 * ROWS_PER_CONTEXT and out.stats.forks_won > 0
     assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate
-    for c, context in enumerate(TREE_CONTEXTS):
-        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
-        counts = np.zeros((SMALL_VOCAB,) * NEW)
-        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
-            counts[tuple(tokens)] += 1
-        p_value = _chi_square_p(counts, law)
-        assert p_value > 1e-6, (context, p_value)
+    _assert_target_law(target, TREE_CONTEXTS, out.tokens, params)
 
 
 # A draft model's sibling trees: the chain sampled as usual, each depth's most probable other token beside it (a
@@ -115,10 +115,4 @@ def test_sampled_tokens_follow_the_target_law_with_model_sibling_trees(settings)
     )
     assert out.stats.tree_drafts >= 2 * ROWS_PER_CONTEXT and out.stats.forks_won > 0
     assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate
-    for c, context in enumerate(CONTEXTS):
-        law = _token_law(target, context, lambda logits: probs_from_logits(logits, params).double(), NEW)
-        counts = np.zeros((SMALL_VOCAB,) * NEW)
-        for tokens in out.tokens[c * ROWS_PER_CONTEXT : (c + 1) * ROWS_PER_CONTEXT]:
-            counts[tuple(tokens)] += 1
-        p_value = _chi_square_p(counts, law)
-        assert p_value > 1e-6, (context, p_value)
+    _assert_target_law(target, CONTEXTS, out.tokens, params)

@@ -36,3 +36,20 @@ def emitted_logprobs(
     chosen = logprobs.gather(-1, output_ids.clamp(min=0)[..., None]).squeeze(-1)  # [B, P]
     top_values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]), dim=-1)  # [B, P, n]
     return chosen, top_values, top_ids
+
+
+def rows_logprobs(target_logits: torch.Tensor, output_ids: torch.Tensor, new_tokens: list[list[int]],
+                  asked: list[int | None]) -> list[list[TokenLogprob] | None]:
+    """Per row that asked for them (``asked[b]``: its N alternatives, None: none), the logprobs of its new tokens
+    (``emitted_logprobs``; one host transfer, only when some row asked)."""
+    if all(n is None for n in asked):
+        return [None] * len(asked)
+    chosen, top_values, top_ids = emitted_logprobs(target_logits, output_ids, max(n or 0 for n in asked))
+    chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    return [
+        None if n is None else [
+            TokenLogprob(token, chosen[b][j], list(zip(top_ids[b][j][:n], top_values[b][j][:n])))
+            for j, token in enumerate(new_tokens[b])
+        ]
+        for b, n in enumerate(asked)
+    ]

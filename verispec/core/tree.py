@@ -350,3 +350,35 @@ def path_logits(logits: torch.Tensor, result: TreeResult) -> torch.Tensor:
     ``logprobs.emitted_logprobs`` expects); garbage where ``result.output_ids`` is -1."""
     at = result.positions.clamp(min=0)[..., None].expand(-1, -1, logits.shape[-1])  # [B, N+1, V]
     return logits.gather(1, at)
+
+
+def within_branches(parents: torch.Tensor, branches: int) -> torch.Tensor:
+    """``[B]``: per row, the most first nodes of its tree (``parents [B, k]``) with at most ``branches`` leaves (what
+    the target's cache scores in one pass, ``TargetBackend.tree_branches``): a node's first child extends its
+    branch, every later child opens one."""
+    bounds = []
+    for row in parents.tolist():
+        has_child, leaves, bound = set(), 1, len(row)
+        for node, parent in enumerate(row):
+            if parent in has_child:
+                leaves += 1
+                if leaves > branches:
+                    bound = node
+                    break
+            has_child.add(parent)
+        bounds.append(bound)
+    return torch.tensor(bounds, dtype=torch.long)
+
+
+def accepted_paths(tree: DraftTree, result: TreeResult) -> list[tuple[int, bool, bool]]:
+    """Per row: its nodes, whether its accepted path left the first branch (a node that is not its parent's first
+    child: a fork a chain would have lost) and whether that path ended at a leaf (its final token is then the bonus,
+    else recovered). One host transfer of the tree and the path."""
+    out = []
+    for row_parents, size, path in zip(tree.parents.tolist(), tree.sizes.tolist(), result.path_nodes.tolist()):
+        first_child: dict[int, int] = {}
+        for node, parent in enumerate(row_parents[:size]):
+            first_child.setdefault(parent, node)
+        last = max([-1, *path])  # the accepted path's deepest node (-1: the root)
+        out.append((size, any(n >= 0 and first_child[row_parents[n]] != n for n in path), last not in first_child))
+    return out

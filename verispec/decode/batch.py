@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Self
 import torch
 
 from ..core.block import verify_rows
-from ..core.logprobs import TokenLogprob, emitted_logprobs
+from ..core.logprobs import TokenLogprob, rows_logprobs
 from ..core.processors import process_logits
 from ..core.sampling import SamplingParams, row_probs
 from ..core.streams import draft_uniforms, draw_uniforms, verify_uniforms
@@ -40,24 +40,6 @@ from .row import Row, fit_prompts, pinned_length
 if TYPE_CHECKING:
     from ..core.tree import DraftTree, TreeResult
     from ..models.backend import TargetBackend
-
-
-def _within_branches(parents: torch.Tensor, branches: int) -> torch.Tensor:
-    """``[B]``: per row, the most first nodes of its tree (``parents [B, k]``) with at most ``branches`` leaves (what
-    the target's cache scores in one pass, ``TargetBackend.tree_branches``): a node's first child extends its
-    branch, every later child opens one."""
-    bounds = []
-    for row in parents.tolist():
-        has_child, leaves, bound = set(), 1, len(row)
-        for node, parent in enumerate(row):
-            if parent in has_child:
-                leaves += 1
-                if leaves > branches:
-                    bound = node
-                    break
-            has_child.add(parent)
-        bounds.append(bound)
-    return torch.tensor(bounds, dtype=torch.long)
 
 
 class DecodeBatch:
@@ -331,7 +313,7 @@ class DecodeBatch:
             draft_ids = without_filler(proposal.draft_ids, lengths)  # [B, k]
             tree = None  # a tree's first ``lengths[b]`` nodes are a tree: cut as a chain is
             if proposal.parents is not None and k:
-                lengths = torch.minimum(lengths, _within_branches(proposal.parents, self.backend.tree_branches)
+                lengths = torch.minimum(lengths, trees.within_branches(proposal.parents, self.backend.tree_branches)
                                         .to(self.device))
                 parents = proposal.parents.to(self.device)
                 columns = torch.arange(k, device=self.device)
@@ -358,7 +340,10 @@ class DecodeBatch:
             keep[:, 0] = True
             keep.scatter_(1, result.path_nodes.clamp(min=-1) + 1, True)  # -1 (no node) lands on the root
             self.target.drop(keep)
-            self._count_tree(tree, result)
+            for row, (size, fork_won, at_leaf) in zip(self.rows, trees.accepted_paths(tree, result)):
+                if size:  # a tree's telemetry, and how its final token came (``Row.tree_final``)
+                    row.record.count_tree(size, fork_won)
+                    row.tree_final = "bonus" if at_leaf else "recovered"
         # The step's single host sync: everything the bookkeeping needs, in one transfer.
         host = torch.cat(
             [result.num_accepted[:, None], lengths[:, None], target_bad[:, None].long(), result.output_ids], dim=1
@@ -366,7 +351,7 @@ class DecodeBatch:
         self.clock.settle()  # the transfer waited for the stream: the phases' CUDA events are done
         catch_up = (catch_up_fed, sum(catch_up_seconds)) if catch_up_fed else None
         new_tokens = [h[3 : 3 + h[0] + 1] for h in host]  # per row: accepted drafts, then recovered / bonus
-        logprobs = self._logprobs(target_logits, result.output_ids, new_tokens)
+        logprobs = rows_logprobs(target_logits, result.output_ids, new_tokens, [row.logprobs for row in self.rows])
         self.stats.verify_time_s += time.perf_counter() - t0
         record = StepRecord(k, [h[1] for h in host], [h[0] for h in host])
         if k:
@@ -400,20 +385,6 @@ class DecodeBatch:
             row.record.count_source(name, consulted=asked, hits=asked and length > 0, draft_length=length,
                                     accepted=kept)
 
-    def _count_tree(self, tree: DraftTree, result: TreeResult) -> None:
-        """Per row that drafted a tree: its nodes, whether the accepted path left the first branch (a fork the
-        chain would have lost: each node's first child is the chain's continuation), and how its final token came
-        (``Row.tree_final``: the bonus after a leaf, else recovered)."""
-        parents, sizes, paths = tree.parents.tolist(), tree.sizes.tolist(), result.path_nodes.tolist()
-        for row, row_parents, size, path in zip(self.rows, parents, sizes, paths):
-            if size:
-                first_child = {}
-                for node, parent in enumerate(row_parents[:size]):
-                    first_child.setdefault(parent, node)
-                row.record.count_tree(size, any(n >= 0 and first_child[row_parents[n]] != n for n in path))
-                last = max([-1, *path])  # the accepted path's deepest node (-1: the root)
-                row.tree_final = "recovered" if last in first_child else "bonus"
-
     def _catch_up(self, plan: SourceDecision | None, add_seconds: Callable[[float], None]) -> int:
         """The drafter's backlog pass, timed apart: it is paid once, not per draft (with a two-source drafter,
         its model's, in a step where the model runs). Returns the tokens it fed; its seconds go to
@@ -430,22 +401,6 @@ class DecodeBatch:
 
         self.clock.stop(started, add)
         return fed
-
-    def _logprobs(self, target_logits: torch.Tensor, output_ids: torch.Tensor,
-                  new_tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
-        """Per row that asked for them, the logprobs of its new tokens (one more host transfer, only then)."""
-        asked = [row.logprobs for row in self.rows]
-        if all(n is None for n in asked):
-            return [None] * len(self.rows)
-        chosen, top_values, top_ids = emitted_logprobs(target_logits, output_ids, max(n or 0 for n in asked))
-        chosen, top_values, top_ids = chosen.tolist(), top_values.tolist(), top_ids.tolist()
-        return [
-            None if n is None else [
-                TokenLogprob(token, chosen[b][j], list(zip(top_ids[b][j][:n], top_values[b][j][:n])))
-                for j, token in enumerate(new_tokens[b])
-            ]
-            for b, n in enumerate(asked)
-        ]
 
     def _commit(self, record: StepRecord, target_bad: list[int], new_tokens: list[list[int]],
                 logprobs: list[list[TokenLogprob] | None]) -> tuple[list[Row], float]:
@@ -464,7 +419,7 @@ class DecodeBatch:
                 emitted.append([])
                 continue
             t0 = time.perf_counter()
-            emitted.append(self._emit(row, tokens, now, entries))
+            emitted.append(row.emit(tokens, now, entries))
             if row.on_tokens is not None:
                 callbacks += time.perf_counter() - t0
 
@@ -476,34 +431,6 @@ class DecodeBatch:
         self.last_ids = torch.tensor([t[-1] for t in new_tokens], device=self.device)
         self.lengths = self.lengths + torch.tensor([n + 1 for n in record.row_accepted], device=self.device)
         return self._drop_finished(), callbacks
-
-    @staticmethod
-    def _emit(row: Row, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> list[int]:
-        """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them; returns them. A
-        callback that raises ends its own row (reason "error"), never the batch."""
-        emitted = tokens[: row.max_new_tokens - len(row.output)]
-        for j, token in enumerate(emitted):
-            if token in row.eos_ids:
-                emitted = emitted[: j + 1]
-                row.reason = "stop"
-                break
-        row.output.extend(emitted)
-        if row.sampling.grammar is not None:
-            row.sampling.grammar.advance(emitted)
-        if logprobs is not None:
-            row.output_logprobs.extend(logprobs[: len(emitted)])
-        row.record.completion_tokens += len(emitted)
-        if row.record.time_to_first_token_s is None and emitted:
-            row.record.time_to_first_token_s = now - row.record.started
-        if row.reason is None and len(row.output) >= row.max_new_tokens:
-            row.reason = "length"
-        if row.on_tokens is not None and emitted:
-            try:
-                row.on_tokens(emitted)
-            except Exception as error:  # noqa: BLE001 - the caller's code: report it on its own row
-                row.callback_error = error
-                row.fail(f"the token callback raised {type(error).__name__}: {error}")
-        return emitted
 
     def _drop_finished(self) -> list[Row]:
         keep = [b for b, row in enumerate(self.rows) if row.reason is None]

@@ -63,6 +63,33 @@ class Row:
         is always the target's own)."""
         return self.policy.choose(self.max_new_tokens - len(self.output) - 1)
 
+    def emit(self, tokens: list[int], now: float, logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Commit a row's new tokens, cut at its budget and at its first EOS, and stream them; returns them. A
+        callback that raises ends its own row (reason "error"), never the batch."""
+        emitted = tokens[: self.max_new_tokens - len(self.output)]
+        for j, token in enumerate(emitted):
+            if token in self.eos_ids:
+                emitted = emitted[: j + 1]
+                self.reason = "stop"
+                break
+        self.output.extend(emitted)
+        if self.sampling.grammar is not None:
+            self.sampling.grammar.advance(emitted)
+        if logprobs is not None:
+            self.output_logprobs.extend(logprobs[: len(emitted)])
+        self.record.completion_tokens += len(emitted)
+        if self.record.time_to_first_token_s is None and emitted:
+            self.record.time_to_first_token_s = now - self.record.started
+        if self.reason is None and len(self.output) >= self.max_new_tokens:
+            self.reason = "length"
+        if self.on_tokens is not None and emitted:
+            try:
+                self.on_tokens(emitted)
+            except Exception as error:  # noqa: BLE001 - the caller's code: report it on its own row
+                self.callback_error = error
+                self.fail(f"the token callback raised {type(error).__name__}: {error}")
+        return emitted
+
     def fail(self, message: str) -> None:
         self.reason, self.error = "error", message
 
