@@ -114,6 +114,7 @@ class NGramDrafter(Drafter):
         self.calls = 0
         self.histories: list[list[int]] = []
         self.indexes: list[NGramIndex] = []  # per row, over its history
+        self._found: tuple[int, list] | None = None  # this step's drafts (``_find``), until the rows change
 
     def fork(self) -> NGramDrafter:
         return NGramDrafter(self.max_ngram, self.min_ngram, self.matches)
@@ -130,27 +131,36 @@ class NGramDrafter(Drafter):
     def lookups(self, num_draft_tokens: int, min_score: float | None = None) -> list[list[int]]:
         """Per row, what ``lookup`` finds ([] = no match): what the composite asks of its primary drafter
         (a match has no score: ``min_score`` is ignored)."""
-        if self.matches > 1:
-            return [index.lookup_tree(h, num_draft_tokens)[0] for index, h in zip(self.indexes, self.histories)]
-        return [index.lookup(h, num_draft_tokens) for index, h in zip(self.indexes, self.histories)]
+        return [tokens for tokens, _ in self._find(num_draft_tokens)]
+
+    def _find(self, k: int) -> list[tuple[list[int], list[int] | None]]:
+        """Per row, its draft of up to ``k`` tokens and, with ``matches`` > 1, its tree's parents: looked up once
+        per step (the batch asks for the lengths before the proposal)."""
+        if self._found is None or self._found[0] != k:
+            rows = zip(self.indexes, self.histories)
+            found = ([index.lookup_tree(h, k) for index, h in rows] if self.matches > 1
+                     else [(index.lookup(h, k), None) for index, h in rows])
+            self._found = (k, found)
+        return self._found[1]
 
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         # An encoder-decoder row's source comes first: its output copies spans of it (names, quotes, summaries).
         self.histories += [[*getattr(p, "source", ()), *p] for p in prompts]
         self.indexes += [NGramIndex(self.min_ngram, self.max_ngram, self.matches) for _ in prompts]
+        self._found = None
 
     def propose(self, num_draft_tokens: int, uniforms: torch.Tensor | None,
                 stop_below: Sequence[float] | None = None) -> Proposal:
         """Lookups have no confidence to stop on: ``stop_below`` is ignored."""
-        if self.matches > 1:
-            found = [index.lookup_tree(h, num_draft_tokens) for index, h in zip(self.indexes, self.histories)]
-            return lookup_proposal([tokens for tokens, _ in found], [parents for _, parents in found])
-        return lookup_proposal(self.lookups(num_draft_tokens))
+        found = self._find(num_draft_tokens)
+        return lookup_proposal([tokens for tokens, _ in found], [parents for _, parents in found])
 
     def update(self, num_accepted: list[int], new_tokens: list[list[int]]) -> None:
         for history, tokens in zip(self.histories, new_tokens):
             history.extend(tokens)
+        self._found = None
 
     def select_rows(self, rows: list[int]) -> None:
         self.histories = [self.histories[r] for r in rows]
         self.indexes = [self.indexes[r] for r in rows]
+        self._found = None
