@@ -120,6 +120,11 @@ def _fast_draft(draft_model: PreTrainedModel, draft_quant: str, progress: Progre
     """The draft as the decoder will run it: quantised on a CPU (int4 where ATen's kernel can run, else int8),
     else pre-packed where that is supported."""
     on_cpu = next(draft_model.parameters()).device.type == "cpu"
+    if on_cpu and draft_quant != "none" and getattr(draft_model.config, "is_encoder_decoder", False):
+        # torch's dynamic int8 scales activations per call, so a row's logits depend on the other rows (T5 drafts
+        # fail the rollback probe), and int4 needs input sizes T5's small models do not have: full precision
+        say(progress, "draft: an encoder-decoder draft keeps its dtype (its quantised forms let rows interact)")
+        draft_quant = "none"
     if on_cpu and draft_quant != "none":
         bits = 4 if draft_quant == "int4" and int4_supported(draft_model) else 8
         say(progress, f"draft: int{bits} weights (drafts may be lossy; the target decides every token)")
@@ -308,7 +313,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     if calibrate and decoder.drafter is not None and paying_cap(decoder.pass_cost, 1, MOST_DRAFTS):
         say(progress, "calibrating: timing a few steps at draft lengths "
                       f"{', '.join(map(str, CALIBRATION_LENGTHS))} (so the first call is priced)")
-        report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"])
+        features = decoder.limits.source_features  # a speech target calibrates on silence
+        report = run_calibration(decoder, tokenizer(CALIBRATION_TEXT)["input_ids"] if features is None
+                                 else torch.zeros(features))
         if report.step_seconds:
             say(progress, f"calibrated in {report.seconds:.1f} s: tokens per step "
                           + ", ".join(f"{k} drafts {t:.2f}" for k, t in report.tokens_per_step.items()))

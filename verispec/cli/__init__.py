@@ -146,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", help="prompt text (or --prompt-file, or stdin)")
     gen.add_argument("--prompt-file")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--audio", metavar="FILE", help="a speech-to-text target (Whisper): transcribe this sound file "
+                                                     "(WAV, FLAC, OGG; at most 30 s) instead of a prompt")
     _add_sampling_args(gen, "0 = greedy (default)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--min-p", type=float, default=None)

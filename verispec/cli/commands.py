@@ -49,11 +49,14 @@ DEMO_PROMPT = (
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..models import eos_token_ids
 
-    prompt = read_prompt(args)
+    if args.audio is not None and (args.prompt is not None or args.prompt_file is not None or args.chat):
+        raise CliError("--audio is the input: give no --prompt, --prompt-file or --chat with it")
+    prompt = read_prompt(args) if args.audio is None else None
     check_request_args(args, GENERATE_SAMPLING)
     check_model_args(args)
-    decoder, tokenizer = build_decoder(args, log if not args.json else (lambda m: None))
-    prompt_ids = encode_prompt(tokenizer, prompt, args.chat)
+    progress = log if not args.json else (lambda m: None)
+    decoder, tokenizer = build_decoder(args, progress)
+    prompt_ids = _model_input(args, decoder, tokenizer, prompt, progress)
     started = time.perf_counter()
     out, text = generate_streamed(
         decoder, tokenizer, prompt_ids, None if args.json else sys.stdout, max_new_tokens=args.max_new_tokens,
@@ -66,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = out.stats
     if args.json:
         print(json.dumps({
-            "prompt_tokens": len(prompt_ids), "tokens": out.tokens[0], "text": text,
+            "prompt_tokens": 0 if args.audio is not None else len(prompt_ids), "tokens": out.tokens[0], "text": text,
             "finish_reason": out.finish_reasons[0], "seed": out.seed, "wall_time_s": wall,
             "tokens_per_second": len(out.tokens[0]) / wall if wall > 0 else 0.0, "stats": stats.to_dict(),
         }))
@@ -76,6 +79,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
              f"acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_target_pass:.2f} tokens per target pass; "
              f"finish: {out.finish_reasons[0]}")
     return 0
+
+
+def _model_input(args: argparse.Namespace, decoder, tokenizer, prompt: str | None, progress):
+    """What ``generate`` decodes from: the prompt's token ids (an encoder-decoder's source, as it is), or the
+    ``--audio`` file's input features for a speech target."""
+    speech, seq2seq = decoder.limits.source_features is not None, decoder.limits.decoder_prompt is not None
+    if args.audio is None and speech:
+        raise CliError(f"{args.target} is a speech-to-text model: give --audio FILE")
+    if args.audio is not None:
+        if not speech:
+            raise CliError(f"--audio needs a speech-to-text target (Whisper); {args.target} reads text")
+        from ..models.audio import audio_features, load_feature_extractor
+
+        try:
+            return audio_features(args.audio, load_feature_extractor(args.target, progress))
+        except ValueError as error:
+            raise CliError(str(error)) from error
+    if args.chat and seq2seq:
+        raise CliError("--chat: an encoder-decoder reads its input as it is (it has no chat template)")
+    return encode_prompt(tokenizer, prompt, args.chat)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

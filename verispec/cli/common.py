@@ -131,8 +131,9 @@ def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
 
 def generate_streamed(decoder, tokenizer, prompt_ids: list[int], out, **options):
     """``decoder.generate`` on one prompt, its text written to ``out`` (if given) as the tokens come; returns
-    the output and the whole text."""
-    state = TextState(tokenizer, prompt_ids)
+    the output and the whole text. An encoder-decoder's text follows its decoder's start tokens, not its input."""
+    start = decoder.limits.decoder_prompt
+    state = TextState(tokenizer, prompt_ids if start is None else start)
 
     def write(text: str) -> None:
         if out is not None and text:

@@ -65,10 +65,10 @@ class _Recorder(SpeculationController):
 
 
 @torch.inference_mode()
-def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CALIBRATION_LENGTHS,
+def calibrate(decoder, prompt_ids: Sequence[int] | torch.Tensor, *, lengths: Sequence[int] = CALIBRATION_LENGTHS,
               steps: int = CALIBRATION_STEPS) -> Calibration:
     """Time ``steps`` greedy batch-1 steps of ``decoder`` at each draft length in ``lengths`` (clipped to its
-    most, duplicates dropped) on ``prompt_ids``, feeding the decoder's own speculation controller. A decoder
+    most, duplicates dropped) on ``prompt_ids`` (a speech target's input features), feeding the decoder's own speculation controller. A decoder
     without a drafter, with a fixed draft length (its controller never chooses), or whose target prices every
     draft out (``paying_cap``: the planner never drafts there), is left as it is. A two-source drafter
     (``suffix+MODEL``) is timed with its model alone, so every step timed is a model-plan step and lands in the
@@ -76,7 +76,7 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
     them)."""
     report = Calibration()
     policy = decoder.gamma_policy
-    if (decoder.drafter is None or not hasattr(policy, "max_gamma") or not prompt_ids
+    if (decoder.drafter is None or not hasattr(policy, "max_gamma") or not len(prompt_ids)
             or not paying_cap(decoder.pass_cost, 1, policy.max_gamma)):
         return report
     drafter = decoder.drafter.model if isinstance(decoder.drafter, SourceDrafter) else decoder.drafter
@@ -86,7 +86,8 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
     for target, count in ((None, 1), (decoder.controller, steps)):
         for k in todo:
             recorder = _Recorder(target)
-            rows = _run(decoder, drafter, list(prompt_ids), k, count, recorder)
+            rows = _run(decoder, drafter, prompt_ids if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids), k,
+                        count, recorder)
             if target is not None:
                 report.step_seconds[k] = recorder.seen
                 report.tokens_per_step[k] = rows / max(len(recorder.seen), 1)
@@ -94,7 +95,7 @@ def calibrate(decoder, prompt_ids: Sequence[int], *, lengths: Sequence[int] = CA
     return report
 
 
-def _run(decoder, drafter, prompt: list[int], length: int, steps: int, controller: SpeculationController) -> int:
+def _run(decoder, drafter, prompt: list[int] | torch.Tensor, length: int, steps: int, controller: SpeculationController) -> int:
     """``steps`` steps of one greedy row pinned to ``length`` drafts; the tokens it committed."""
     request = validate_request(decoder.limits, [prompt], SamplingParams(), steps * (length + 1) + 1)
     rows = decoder.rows_for(request, [0], num_draft_tokens=length)

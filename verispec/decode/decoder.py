@@ -31,7 +31,7 @@ from ..core.sampling import SamplingParams
 from ..drafters import Drafter, ModelDrafter, SourceDrafter
 from ..models.backend import backend_of, is_model, new_cache
 from ..models.cache import CacheFullError, model_device
-from ..models.seq2seq import decoder_start
+from ..models.seq2seq import decoder_start, speech_features
 from ..policy import AutoGamma, GammaPolicy, HeuristicGamma, SpeculationController, make_gamma_policy
 from ..policy.controller import MOST_DRAFTS, PassCost
 from ..policy.sources import SourceController
@@ -230,13 +230,17 @@ class SpeculativeDecoder:
         """What the target and ``draft_model`` (if any) accept together; refuses mismatched models."""
         target_vocab, input_limit, positions, reason = _model_shape(self.target_model)
         start = decoder_start(self.target_model)  # an encoder-decoder's inputs are sources (models/seq2seq.py)
+        features = speech_features(self.target_model)  # a speech model's sources are input features
         if draft_model is None:
             vocab = shared_vocab_size(target_vocab, target_vocab, self._vocab_size_arg)
-            return ModelLimits(vocab, input_limit, positions, reason, start)
+            return ModelLimits(vocab, input_limit, positions, reason, start, features)
         if decoder_start(draft_model) != start:
             raise ValueError(f"the draft's decoder starts from {decoder_start(draft_model)}, the target's from {start} "
                              "(None: a causal LM): an encoder-decoder target needs an encoder-decoder draft with its "
                              "decoder start tokens")
+        if speech_features(draft_model) != features:
+            raise ValueError(f"the draft reads input features {speech_features(draft_model)}, the target "
+                             f"{features} (None: token ids): a speech target needs a speech draft of its feature shape")
         draft_device = model_device(draft_model)
         if draft_device != self.device:
             raise ValueError(f"draft model is on {draft_device} but the target is on {self.device}; put both on one device")
@@ -245,7 +249,7 @@ class SpeculativeDecoder:
         if draft_positions is not None and (positions is None or draft_positions < positions):
             positions, reason = draft_positions, draft_reason and f"the draft: {draft_reason}"
         input_limit = min(input_limit, draft_inputs)
-        return ModelLimits(vocab, input_limit, positions, reason, start)
+        return ModelLimits(vocab, input_limit, positions, reason, start, features)
 
     def controller_for(self, draft: object = _USE_DECODER_DRAFT) -> SpeculationController:
         """The speculation controller of ``draft`` (a call's ``draft`` argument; the decoder's own by default)."""

@@ -2,7 +2,8 @@
 that they accept and refuse the same requests, before any model work.
 
 Rules: prompts are non-empty lists of ids the models' embeddings accept (for an encoder-decoder target, sources:
-each row's prompt is then the decoder's start tokens carrying its source, a ``SourcePrompt``); ``max_new_tokens``
+each row's prompt is then the decoder's start tokens carrying its source, a ``SourcePrompt``; for a speech target,
+input features of the encoder's shape); ``max_new_tokens``
 is an integer >= 0 (0 finishes at once with reason "length" and no tokens); prompt + ``max_new_tokens`` fit the
 models' positions; sampling settings as ``SamplingParams`` checks them; EOS ids, stop token ids and logit-bias ids are
 real token ids; a seed is an int. Stop token ids end a row as EOS does (finish reason "stop"), and
@@ -37,6 +38,8 @@ class ModelLimits:
     max_positions_reason: str | None = None  # why, when it is not simply the position table's size
     # an encoder-decoder target's decoder start tokens: each input is then a source (``models/seq2seq.py``)
     decoder_prompt: tuple[int, ...] | None = None
+    # a speech target's input features (mel bins, frames): each input is then a float tensor of that shape
+    source_features: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,10 @@ def validate_request(limits: ModelLimits, input_ids: torch.Tensor | Sequence[int
                      logprobs: int | None = None) -> Request:
     """Check a request against ``limits`` (``sampling`` checked its own settings when it was built); raise
     ``ValueError`` naming the first problem found."""
-    prompts = _prompts(input_ids, attention_mask, limits.input_limit)
+    if limits.source_features is not None:
+        prompts = _features(input_ids, attention_mask, limits.source_features)
+    else:
+        prompts = _prompts(input_ids, attention_mask, limits.input_limit)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
     eos_ids = _eos_ids(eos_token_id, limits.vocab_size) | _eos_ids(list(sampling.stop_token_ids), limits.vocab_size,
@@ -89,7 +95,7 @@ def validate_request(limits: ModelLimits, input_ids: torch.Tensor | Sequence[int
     if limits.decoder_prompt is not None:  # the inputs are sources; the decoder starts from its start tokens
         from ..models.seq2seq import SourcePrompt
 
-        if limits.max_positions is not None and longest > limits.max_positions:
+        if limits.source_features is None and limits.max_positions is not None and longest > limits.max_positions:
             raise ValueError(f"a source of {longest} tokens exceeds the models' maximum length "
                              f"({limits.max_positions})")
         prompts = [SourcePrompt(limits.decoder_prompt, source) for source in prompts]
@@ -138,6 +144,22 @@ def _prompts(input_ids, attention_mask: torch.Tensor | None, input_limit: int) -
         if bad:
             raise ValueError(f"prompt {b} holds token ids outside [0, {input_limit}): {bad[:5]}")
     return prompts
+
+
+def _features(inputs, attention_mask: torch.Tensor | None, shape: tuple[int, int]) -> list[torch.Tensor]:
+    """A speech target's inputs: a float tensor ``[batch, mel bins, frames]`` or ``[mel bins, frames]``, or a list
+    of ``[mel bins, frames]`` tensors (a feature extractor's ``input_features``)."""
+    if attention_mask is not None:
+        raise ValueError("attention_mask does not apply to a speech model's input features")
+    rows = list(inputs[None] if isinstance(inputs, torch.Tensor) and inputs.dim() == 2 else inputs)
+    if not rows:
+        raise ValueError("input_features holds no inputs")
+    for b, row in enumerate(rows):
+        if not isinstance(row, torch.Tensor) or not row.is_floating_point() or tuple(row.shape) != shape:
+            got = f"shape {tuple(row.shape)}, dtype {row.dtype}" if isinstance(row, torch.Tensor) else type(row).__name__
+            raise ValueError(f"input {b}: a speech model reads float input features of shape {shape} (mel bins, "
+                             f"frames: its feature extractor's input_features), got {got}")
+    return [row.detach().cpu() for row in rows]
 
 
 def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab_size: int, name: str = "eos_token_id") -> frozenset[int]:

@@ -103,7 +103,7 @@ class ModelDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         """Append rows with an empty draft cache and the whole prompt pending (prefilled at the next proposal)."""
         self.params += list(sampling)
-        self.prompts += [TokenHistory(p) for p in prompts]
+        self.prompts += [p if isinstance(p, TokenHistory) else TokenHistory(p) for p in prompts]  # sources kept
         self.generated += [TokenHistory() for _ in prompts]  # counts kept as they grow
         self.pending += [list(p) for p in prompts]
         self.cached = torch.cat([self.cached, torch.zeros(len(prompts), dtype=torch.long)])
@@ -150,6 +150,8 @@ class ModelDrafter(Drafter):
         fresh = new_cache(self.model)
         try:
             fresh.reset(len(rows))
+            if isinstance(fresh, Seq2SeqLM):
+                fresh.encode([self.prompts[r] for r in rows])
             fresh.forward(ids, mask, padded_positions(mask, torch.zeros(len(rows), dtype=torch.long)), 1)
         except BaseException:
             fresh.close()  # its rows' memory is free now, not once the traceback lets go of the cache

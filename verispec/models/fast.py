@@ -27,12 +27,23 @@ def packing_supported(model: nn.Module) -> bool:
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-class PackedLinear(nn.Module):
+class _ReleasedWeight:
+    """A replaced linear's ``weight``: a tensor on the meta device (no memory) with the layer's shape and compute
+    dtype, for model code that reads a layer's weight dtype (T5's feed-forward casts its input to it); a product
+    with it fails loudly."""
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.empty(self.out_features, self.in_features, dtype=self.compute_dtype, device="meta")
+
+
+class PackedLinear(_ReleasedWeight, nn.Module):
     """``nn.Linear`` with its weight pre-packed for oneDNN; the original weight is released."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = linear.weight.dtype
         weight = linear.weight.detach()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint),
                              persistent=False)
@@ -71,7 +82,7 @@ def _replace_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -
     return replaced
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_ReleasedWeight, nn.Module):
     """Weight-only int4 ``nn.Linear`` for CPU drafts: weights quantised per group of ``group_size`` inputs
     (asymmetric, round to nearest) and packed for ATen's CPU int4 kernel, which takes bfloat16 activations.
     Half the bytes of int8, and the draft's single-token passes are bound by memory bandwidth."""
@@ -79,6 +90,7 @@ class Int4Linear(nn.Module):
     def __init__(self, linear: nn.Linear, group_size: int = 64) -> None:
         super().__init__()
         self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
+        self.compute_dtype = linear.weight.dtype  # inputs and outputs keep it (the kernel runs in bfloat16)
         weight = linear.weight.detach().float()  # [N, K]
         padded_rows = -self.out_features % 16  # the packing wants N in multiples of 16: pad with zero rows
         weight = torch.cat([weight, weight.new_zeros(padded_rows, self.in_features)])  # [N', K]

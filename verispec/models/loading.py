@@ -5,7 +5,7 @@ model. The factory that assembles a decoder from such models is ``verispec.facto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -88,6 +88,27 @@ def load_tokenizer(files: ModelFiles, progress: Progress | None = None) -> PreTr
         raise ValueError(f"no usable tokenizer in {files.tokenizer}: {e}") from e
 
 
+def model_class_for(config: Any) -> type:
+    """The ``transformers`` auto class that loads a model of ``config``: ``AutoModelForCausalLM``, or for an
+    encoder-decoder ``AutoModelForSeq2SeqLM`` (text to text: T5, BART, Marian) or ``AutoModelForSpeechSeq2Seq``
+    (speech to text: Whisper). ``ValueError`` for an encoder-decoder of neither kind."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+
+    if not getattr(config, "is_encoder_decoder", False):
+        return AutoModelForCausalLM
+    if config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return AutoModelForSeq2SeqLM
+    if config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return AutoModelForSpeechSeq2Seq
+    raise ValueError(f"an encoder-decoder of type {config.model_type!r} that is neither text to text nor speech to "
+                     "text: verispec decodes causal LMs and the encoder-decoders of AutoModelForSeq2SeqLM and "
+                     "AutoModelForSpeechSeq2Seq")
+
+
 def load_files(files: ModelFiles, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                progress: Progress | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)`` from resolved files: the model in eval mode on ``device``, a GGUF's weights
@@ -106,8 +127,11 @@ def load_files(files: ModelFiles, dtype: torch.dtype = torch.float32, device: st
                                                      dtype=dtype, quantization_config=GgufConfig(dequantize=True),
                                                      local_files_only=True)
     else:
-        say(progress, f"loading weights from {files.path} ({dtype_name}) ...")
-        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
+        config = AutoConfig.from_pretrained(str(files.path), local_files_only=True)
+        model_class = model_class_for(config)
+        say(progress, f"loading weights from {files.path} ({dtype_name}"
+                      f"{', an encoder-decoder' if model_class is not AutoModelForCausalLM else ''}) ...")
+        model = model_class.from_pretrained(str(files.path), config=config, dtype=dtype, local_files_only=True)
     model.eval()
     if torch.device(device).type != "cpu":
         model.to(device)

@@ -104,8 +104,12 @@ def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
 
             inputs = {}
             if getattr(model.config, "is_encoder_decoder", False):  # a decoder pass over a 16-token source
-                source = torch.zeros((1, 16), dtype=torch.long, device=device)
-                inputs = {"encoder_outputs": model.get_encoder()(input_ids=source)}
+                from .seq2seq import encode_sources, speech_features
+
+                features = speech_features(model)  # a speech model's: over silence
+                source = [0] * 16 if features is None else torch.zeros(features)
+                encoded, mask = encode_sources(model, [source])
+                inputs = {"encoder_outputs": (encoded,), "attention_mask": mask.long()}
 
             def run(n: int) -> None:
                 ids = torch.zeros((1, n), dtype=torch.long, device=device)

@@ -26,6 +26,7 @@ rows of different source and decoder lengths, with a left-padded row and a per-r
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -56,14 +57,27 @@ NO_SOURCE = "an encoder-decoder row needs its source (a SourcePrompt)"
 
 
 class SourcePrompt(TokenHistory):
-    """A row's decoder prompt (its start token(s)) carrying the row's encoder input, ``source`` (token ids)."""
+    """A row's decoder prompt (its start token(s)) carrying the row's encoder input, ``source``: token ids, or for
+    a speech model (Whisper) its input features, a float tensor ``[mel bins, frames]``."""
 
-    def __init__(self, tokens: Sequence[int], source: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int], source: Sequence[int] | torch.Tensor) -> None:
         super().__init__(tokens)
-        self.source = tuple(source)
+        self.source = source if isinstance(source, torch.Tensor) else tuple(source)
 
     def __repr__(self) -> str:
-        return f"SourcePrompt({list(self)!r}, source={list(self.source)!r})"
+        source = (f"<features {tuple(self.source.shape)}>" if isinstance(self.source, torch.Tensor)
+                  else list(self.source))
+        return f"SourcePrompt({list(self)!r}, source={source!r})"
+
+
+def speech_features(model: object) -> tuple[int, int] | None:
+    """The input features ``(mel bins, frames)`` a speech encoder-decoder (Whisper) reads, None for a model whose
+    encoder reads token ids."""
+    if not is_encoder_decoder(model) or getattr(model, "main_input_name", "input_ids") != "input_features":
+        return None
+    encoder = model.get_encoder()
+    strides = encoder.conv1.stride[0] * encoder.conv2.stride[0]
+    return model.config.num_mel_bins, model.config.max_source_positions * strides
 
 
 def is_encoder_decoder(model: object) -> bool:
@@ -73,12 +87,25 @@ def is_encoder_decoder(model: object) -> bool:
 
 
 def decoder_prompt(model: PreTrainedModel) -> tuple[int, ...]:
-    """The decoder's start tokens: ``decoder_start_token_id`` (from the generation config, else the model's)."""
+    """The decoder's start tokens: ``decoder_start_token_id`` (from the generation config, else the model's); a
+    Whisper generation config's task tokens follow it (English where it names languages, transcription, no
+    timestamps), as Whisper's own ``generate`` begins an English transcription."""
     for config in (getattr(model, "generation_config", None), model.config):
         start = getattr(config, "decoder_start_token_id", None)
         if start is not None:
-            return tuple(start) if isinstance(start, (list, tuple)) else (int(start),)
+            start = tuple(start) if isinstance(start, (list, tuple)) else (int(start),)
+            return start + _whisper_task(getattr(model, "generation_config", None))
     raise UnsupportedModelError(model, "it names no decoder_start_token_id")
+
+
+def _whisper_task(config: object) -> tuple[int, ...]:
+    """``<|en|> <|transcribe|> <|notimestamps|>``, those of them a Whisper generation config names."""
+    if getattr(config, "no_timestamps_token_id", None) is None:
+        return ()
+    language = (getattr(config, "lang_to_id", None) or {}).get("<|en|>") if getattr(config, "is_multilingual",
+                                                                                   False) else None
+    task = (getattr(config, "task_to_id", None) or {}).get("transcribe")
+    return tuple(t for t in (language, task, config.no_timestamps_token_id) if t is not None)
 
 
 def decoder_start(model: object) -> tuple[int, ...] | None:
@@ -127,17 +154,8 @@ class Seq2SeqLM(CachedLM):
             raise ValueError(f"encode needs one prompt per row: {len(prompts)} for {self.batch_size} rows")
         if not all(isinstance(p, SourcePrompt) for p in prompts):
             raise ValueError(NO_SOURCE)
-        sources = [list(p.source) for p in prompts]
-        width = max((len(s) for s in sources), default=0)
-        ids = torch.zeros(len(sources), width, dtype=torch.long)  # [B, L] right-padded: positions from 0
-        mask = torch.zeros(len(sources), width, dtype=torch.bool)
-        for b, source in enumerate(sources):
-            ids[b, : len(source)] = torch.tensor(source, dtype=torch.long)
-            mask[b, : len(source)] = True
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        self.encoded = self.model.get_encoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state
-        self.source_mask = mask
-        self.has_source = torch.ones(len(sources), dtype=torch.bool)
+        self.encoded, self.source_mask = encode_sources(self.model, [p.source for p in prompts])
+        self.has_source = torch.ones(len(prompts), dtype=torch.bool)
         self.cross = DynamicCache(config=self.model.config)
 
     def prefill(self, prompts: list[list[int]]) -> bool:
@@ -212,10 +230,31 @@ class Seq2SeqLM(CachedLM):
         raise NotImplementedError("an encoder-decoder cache keeps no holes (T5's bias counts slots)")
 
 
+def encode_sources(model: PreTrainedModel, sources: Sequence[Sequence[int] | torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(encoded [B, L, d], mask [B, L])``: the encoder's output over the rows' sources, token ids right-padded
+    (each keeps positions 0, 1, ...), or a speech model's features ``[mel bins, frames]`` (all of one length)."""
+    device = next(model.parameters()).device
+    if speech_features(model) is not None:
+        features = torch.stack([torch.as_tensor(s) for s in sources]).to(device, model.dtype)  # [B, mel, frames]
+        encoded = model.get_encoder()(input_features=features).last_hidden_state
+        return encoded, torch.ones(encoded.shape[:2], dtype=torch.bool, device=device)
+    width = max((len(s) for s in sources), default=0)
+    ids = torch.zeros(len(sources), width, dtype=torch.long)  # [B, L] right-padded: positions from 0
+    mask = torch.zeros(len(sources), width, dtype=torch.bool)
+    for b, source in enumerate(sources):
+        ids[b, : len(source)] = torch.tensor(list(source), dtype=torch.long)
+        mask[b, : len(source)] = True
+    ids, mask = ids.to(device), mask.to(device)
+    return model.get_encoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state, mask
+
+
 @contextmanager
 def _own_positions(model: PreTrainedModel, position_ids: torch.Tensor) -> Iterator[None]:
     """While in the block, the decoder's position module (``embed_positions``, if it has one: BART, Marian) embeds
-    ``position_ids [B, n]`` instead of the positions it would count from the cache's length."""
+    ``position_ids [B, n]`` instead of the positions it would count from the cache's length; a module that takes no
+    position ids but counts from a ``cache_length`` (M2M100 / NLLB, FSMT, LED, SeamlessM4T) has its output replaced
+    (``_positions_by_cache_length``)."""
     module = getattr(model.get_decoder(), "embed_positions", None)
     if module is None:  # T5: relative positions from slot distances (the cache keeps no holes)
         yield
@@ -228,13 +267,48 @@ def _own_positions(model: PreTrainedModel, position_ids: torch.Tensor) -> Iterat
     def after(_module, _args, _kwargs, output):
         return output.reshape(*shape, output.shape[-1])
 
-    handles = [module.register_forward_pre_hook(before, with_kwargs=True),
-               module.register_forward_hook(after, with_kwargs=True)]
+    parameters = inspect.signature(module.forward).parameters
+    if "position_ids" not in parameters and "cache_length" in parameters:
+        handles = [module.register_forward_hook(_positions_by_cache_length(position_ids), with_kwargs=True)]
+    else:
+        handles = [module.register_forward_pre_hook(before, with_kwargs=True),
+                   module.register_forward_hook(after, with_kwargs=True)]
     try:
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _positions_by_cache_length(position_ids: torch.Tensor):
+    """A forward hook for a position module that numbers the j-th input of a call ``cache_length + j`` (its input:
+    token ids, embeddings or their shape): positions ``min..max`` of ``position_ids [B, n]`` embedded by one call on a
+    neutral input of that length, then each token takes its own; a token that is the module's padding id gets the
+    padding embedding, as a one-token call (``generate``'s) gives it."""
+    low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+    width = high - low + 1
+
+    def like(value, length: int, fill: int):  # ``value`` ([B, n, ...] or an input shape) for one row of ``length``
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return value.new_full((1, length, *value.shape[2:]), 0 if value.is_floating_point() else fill)
+        return (1, length, *value[2:]) if isinstance(value, tuple) and len(value) >= 2 else value
+
+    def after(module, args, kwargs, output):
+        arguments = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        pad = getattr(module, "padding_idx", None)
+
+        def embed(length: int, fill: int, first: int) -> torch.Tensor:  # [length, d]
+            neutral = {name: like(value, length, fill) for name, value in arguments.items()}
+            return module.forward(**{**neutral, "cache_length": first}).reshape(length, -1)
+
+        out = embed(width, 1 if pad == 0 else 0, low)[position_ids - low]  # [B, n, d]
+        ids = next((v for v in arguments.values() if isinstance(v, torch.Tensor) and v.dim() == 2
+                    and not v.is_floating_point()), None)  # [B, n] token ids, if the module reads them
+        if pad is not None and ids is not None:
+            out = torch.where((ids == pad)[..., None], embed(1, pad, 0)[0], out)
+        return out.to(output.dtype)
+
+    return after
 
 
 _verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -262,11 +336,16 @@ def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
     device = next(model.parameters()).device
     ids = _probe_tokens(model, 16)
     sources, junk = [ids[:7], ids[7:10]], ids[10:12]
-    start = list(decoder_prompt(model))
+    if (features := speech_features(model)) is not None:  # two sounds: fixed noise, a loud one and a quiet one
+        noise = torch.randn(2, *features, generator=torch.Generator().manual_seed(0))
+        sources = [noise[0], noise[1] * 0.1]
+    start = list(decoder_prompt(model))[:1]  # the probe tests the cache, not the task: one start token
     decoded = [start + ids[12:16] + ids[:1], start + ids[13:16] + ids[1:3]]  # [2 rows][6 tokens]
     try:
-        own = [model(input_ids=torch.tensor([s], device=device), decoder_input_ids=torch.tensor([d], device=device),
-                     use_cache=False).logits[0].float() for s, d in zip(sources, decoded)]  # [6, V] each
+        inputs = "input_ids" if features is None else "input_features"
+        own = [model(**{inputs: torch.as_tensor(s, device=device)[None]}, use_cache=False,
+                     decoder_input_ids=torch.tensor([d], device=device)).logits[0].float()
+               for s, d in zip(sources, decoded)]  # [6, V] each
         lm = Seq2SeqLM(model, check=False)
         lm.reset(2)
         lm.encode([SourcePrompt(start, s) for s in sources])

@@ -194,6 +194,10 @@ class Server:
                            "context_length_exceeded")
 
     def _completion_prompts(self, prompt: str | list) -> list[list[int]]:
+        if self.engine.decoder.limits.source_features is not None:
+            raise ApiError("this server's model is speech-to-text (Whisper): it reads sound, not a text prompt, and "
+                           "audio transcription is not served (use `verispec generate --audio FILE`)", "prompt",
+                           "speech_model")
         one = isinstance(prompt, str) or isinstance(prompt[0], int)  # else a list of texts or of id lists
         prompts = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p)
                    for p in ([prompt] if one else prompt)]
@@ -202,6 +206,9 @@ class Server:
         return prompts
 
     def _chat_prompt(self, messages: list[ChatMessage], tools: ToolSetup | None = None) -> list[list[int]]:
+        if self.engine.decoder.limits.decoder_prompt is not None:
+            raise ApiError("this server's model is an encoder-decoder: it reads its input as it is, not a "
+                           "conversation; use /v1/completions", "messages", "encoder_decoder_model")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ApiError("this model's tokenizer has no chat template; use /v1/completions", "messages",
                            "no_chat_template")

@@ -168,8 +168,9 @@ class Generation:
             raise ApiError(f"the engine refused the request: {error}", status=503, kind="server_error") from error
         tokenizer = self.server.tokenizer
         names = self.server.token_bytes if p.logprobs is not None or p.provenance else None  # parse built it
+        start = self.server.engine.decoder.limits.decoder_prompt  # an encoder-decoder's text follows its start
         for choice in self.choices:
-            prompt = p.prompts[choice.prompt_index]
+            prompt = p.prompts[choice.prompt_index] if start is None else start
             choice.state = TextState(tokenizer, prompt, p.stops)
             if p.logprobs is not None:
                 choice.offsets = TextOffsets(tokenizer, names, prompt)

@@ -1,0 +1,105 @@
+"""Speech-to-text targets (Whisper; ``models/seq2seq.py`` with input features as sources): the adapter reproduces
+the model's own forward, greedy output equals the model's own in batches with a Whisper draft and with the target
+alone, EOS inside an accepted block ends a row, and inputs of the wrong shape or kind are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import perturbed
+from transformers import RepetitionPenaltyLogitsProcessor, WhisperConfig, WhisperForConditionalGeneration
+
+from verispec import SpeculativeDecoder
+from verispec.drafters import NGramDrafter
+from verispec.models.seq2seq import decoder_prompt, require_exact_seq2seq, speech_features
+
+MEL, FRAMES = 16, 60
+PENALTY = 1.3
+
+
+def _whisper(seed: int = 0, gain: float = 1.5) -> WhisperForConditionalGeneration:
+    model = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=80, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL,
+        max_source_positions=FRAMES // 2, max_target_positions=64, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, suppress_tokens=None, begin_suppress_tokens=None))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[-1] ** 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = _whisper()
+    return target, perturbed(target, scale=0.3)
+
+
+def _sounds(count: int = 3) -> list[torch.Tensor]:
+    return [torch.randn(MEL, FRAMES, generator=torch.Generator().manual_seed(10 + s)) * (1 + s) for s in range(count)]
+
+
+def _own_greedy(model, features: torch.Tensor, max_new_tokens: int) -> list[int]:
+    penalty = RepetitionPenaltyLogitsProcessor(PENALTY)
+    ids = torch.tensor([decoder_prompt(model)])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(input_features=features[None], decoder_input_ids=ids).logits[:, -1]
+            ids = torch.cat([ids, penalty(ids, logits).argmax(-1, keepdim=True)], dim=1)
+    return ids[0, 1:].tolist()
+
+
+def test_the_adapter_reproduces_whisper(pair) -> None:
+    target, _ = pair
+    assert speech_features(target) == (MEL, FRAMES)
+    assert require_exact_seq2seq(target) < 1e-4
+
+
+def test_greedy_identity_in_a_batch_with_a_draft_alone_and_with_lookup(pair) -> None:
+    target, draft = pair
+    sounds, new = _sounds(), 16
+    want = [_own_greedy(target, f, new) for f in sounds]
+    assert len({t for row in want for t in row}) > 4  # the tiny model says more than one word
+    decoder = SpeculativeDecoder(target, draft, num_draft_tokens=3)
+    drafted = decoder.generate(torch.stack(sounds), max_new_tokens=new, repetition_penalty=PENALTY)
+    assert drafted.tokens == want
+    kept = sum(drafted.stats.position_accepted)
+    assert 0 < kept < sum(drafted.stats.position_proposed)  # the draft agrees in part
+    assert decoder.generate(sounds, max_new_tokens=new, repetition_penalty=PENALTY, draft=None).tokens == want
+    # prompt lookup has no source text to copy from (sound), only the decoder's own tokens
+    assert decoder.generate(sounds, max_new_tokens=new, repetition_penalty=PENALTY,
+                            draft=NGramDrafter()).tokens == want
+
+
+def test_eos_ends_a_row_inside_a_block(pair) -> None:
+    target, draft = pair
+    sounds, new = _sounds(), 16
+    want = [_own_greedy(target, f, new) for f in sounds]
+    eos = want[0][5]
+    out = SpeculativeDecoder(target, draft, num_draft_tokens=3).generate(
+        sounds, max_new_tokens=new, repetition_penalty=PENALTY, eos_token_id=eos)
+    for tokens, row in zip(out.tokens, want):
+        assert tokens == (row[: row.index(eos) + 1] if eos in row else row)
+    assert out.finish_reasons[0] == "stop"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ([[1, 2, 3]], "float input features of shape (16, 60)"),
+    (torch.zeros(2, MEL, FRAMES + 1), "got shape (16, 61)"),
+    (torch.zeros(MEL, FRAMES, dtype=torch.long), "dtype torch.int64"),
+    ([], "holds no inputs"),
+])
+def test_inputs_of_the_wrong_shape_or_kind_are_refused(pair, inputs, message) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        SpeculativeDecoder(pair[0]).generate(inputs, max_new_tokens=2)
+
+
+def test_a_text_draft_is_refused_for_a_speech_target(pair) -> None:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=80, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                             decoder_start_token_id=0)).eval()
+    with pytest.raises(ValueError, match="speech target needs a speech draft"):
+        SpeculativeDecoder(pair[0], t5)
