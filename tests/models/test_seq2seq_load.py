@@ -208,3 +208,21 @@ def test_serve_completes_text_to_text_and_answers_400_where_the_api_does_not_fit
     finally:
         server.close()
         engine.shutdown()
+
+
+def test_batch_job_decodes_text_to_text_rows(folders, tmp_path, capsys) -> None:
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": s}) + "\n" for s in SOURCES))
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", "--target", folders["t5"], "--draft", folders["t5-draft"], "--input", str(rows), "--output",
+                 str(out), "--max-new-tokens", "8"]) == 0
+    written = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["input_index"])
+    model = T5ForConditionalGeneration.from_pretrained(folders["t5"]).eval()
+    tokenizer = _tokenizer()
+    for row, source in zip(written, SOURCES):
+        ids = tokenizer(source)["input_ids"]
+        want = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=8, do_sample=False, num_beams=1,
+                              eos_token_id=1)[0, 1:].tolist()
+        assert row["tokens"] == want, source
+        assert row["text"] == tokenizer.decode(want, skip_special_tokens=True)  # no space from the source before it
+        assert row["prompt_tokens"] == len(ids)  # the source's tokens, not the decoder's start

@@ -52,7 +52,8 @@ class Row:
     tree_final: str | None = None  # set by a step that drafted a tree ("bonus" at a leaf, else "recovered")
 
     def __post_init__(self) -> None:
-        self.record.prompt_tokens = len(self.prompt)
+        # an encoder-decoder row's input is its source (SourcePrompt.source_tokens), not its decoder's start
+        self.record.prompt_tokens = getattr(self.prompt, "source_tokens", len(self.prompt))
 
     def count_step(self, draft_length: int, num_accepted: int) -> None:
         self.last_block, self.tree_final = (draft_length, num_accepted, self.tree_final), None

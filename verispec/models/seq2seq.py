@@ -64,6 +64,11 @@ class SourcePrompt(TokenHistory):
         super().__init__(tokens)
         self.source = source if isinstance(source, torch.Tensor) else tuple(source)
 
+    @property
+    def source_tokens(self) -> int:
+        """The row's input tokens: its source's (none for input features)."""
+        return 0 if isinstance(self.source, torch.Tensor) else len(self.source)
+
     def __repr__(self) -> str:
         source = (f"<features {tuple(self.source.shape)}>" if isinstance(self.source, torch.Tensor)
                   else list(self.source))

@@ -104,7 +104,8 @@ class GroupDecoder:
         if isinstance(entry, str):
             return {**out, "text": "", "tokens": [], "finish_reason": "error", "error": entry}
         decoded, prompt_ids, seed = entry
-        text = TextState(self.tokenizer, prompt_ids)
+        start = self.decoder.limits.decoder_prompt  # an encoder-decoder's text follows its decoder's start
+        text = TextState(self.tokenizer, prompt_ids if start is None else start)
         text.add(decoded.output)
         text.flush()
         record = decoded.record
