@@ -103,3 +103,62 @@ def test_a_text_draft_is_refused_for_a_speech_target(pair) -> None:
                                              decoder_start_token_id=0)).eval()
     with pytest.raises(ValueError, match="speech target needs a speech draft"):
         SpeculativeDecoder(pair[0], t5)
+
+
+SMALL_VOCAB, ROWS_PER_SOUND, NEW = 8, 3000, 2
+
+
+def _law(model, features: torch.Tensor, decoded: list[int], params, length: int):
+    """Exact joint law ``[V] * length`` of the next ``length`` decoder tokens after ``decoded``."""
+    import numpy as np
+
+    from verispec.core.sampling import probs_from_logits
+
+    with torch.no_grad():
+        logits = model(input_features=features[None], decoder_input_ids=torch.tensor([decoded])).logits[0, -1]
+    first = probs_from_logits(logits.double(), params).double().numpy()  # [V]
+    if length == 1:
+        return first
+    rest = np.stack([_law(model, features, decoded + [t], params, length - 1) for t in range(SMALL_VOCAB)])
+    return first.reshape((SMALL_VOCAB,) + (1,) * (length - 1)) * rest
+
+
+def test_sampled_tokens_follow_the_target_law() -> None:
+    """Two tokens sampled after each of two sounds, 3000 rows each, through a Whisper draft: their joint counts
+    against the target's exact law (chi-square; a correct sampler fails below 1e-6 once in a million runs)."""
+    import numpy as np
+    from stats.chi_square import chi2_pvalue
+
+    from verispec.core.sampling import SamplingParams
+
+    target = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=SMALL_VOCAB, d_model=32, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL,
+        max_source_positions=FRAMES // 2, max_target_positions=16, pad_token_id=0, bos_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, suppress_tokens=None, begin_suppress_tokens=None)).eval()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in target.parameters():
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    draft = perturbed(target, scale=0.5)
+    sounds = _sounds(2)
+    out = SpeculativeDecoder(target, draft, num_draft_tokens=2).generate(
+        [sounds[0]] * ROWS_PER_SOUND + [sounds[1]] * ROWS_PER_SOUND, max_new_tokens=NEW, seed=11, temperature=0.8)
+    assert 0.05 < out.stats.acceptance_rate < 0.95, out.stats.acceptance_rate  # both branches exercised
+    for s, sound in enumerate(sounds):
+        law = _law(target, sound, list(decoder_prompt(target)), SamplingParams(temperature=0.8), NEW)
+        counts = np.zeros((SMALL_VOCAB,) * NEW)
+        for tokens in out.tokens[s * ROWS_PER_SOUND : (s + 1) * ROWS_PER_SOUND]:
+            counts[tuple(tokens)] += 1
+        assert chi2_pvalue(counts, law, min_expected=20) > 1e-6, s
+
+
+def test_a_request_past_the_decoders_positions_is_refused(pair) -> None:
+    """Whisper names its decoder's table ``max_target_positions`` (64 here): a longer request is refused up front,
+    not failed inside the model's position table."""
+    decoder = SpeculativeDecoder(pair[0], pair[1], num_draft_tokens=3)
+    assert decoder.max_positions == 64
+    with pytest.raises(ValueError, match="exceeds the models' maximum length"):
+        decoder.generate(_sounds(1), max_new_tokens=64)
+    assert len(decoder.generate(_sounds(1), max_new_tokens=63).tokens[0]) == 63  # to the table's end, drafting

@@ -110,7 +110,9 @@ def position_limit(model: PreTrainedModel) -> tuple[int | None, str | None]:
     """``(limit, reason)``: the longest sequence (prompt + new tokens) verispec decodes exactly with this model,
     from its config, and why, when the limit is a rotary switch rather than the position table's size."""
     config = model.config.get_text_config()
-    limit = next((value for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len")
+    # max_target_positions: an encoder-decoder's decoder table where it is named apart (Whisper)
+    limit = next((value for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "max_seq_len",
+                                     "max_target_positions")
                   if _positive_int(value := getattr(config, name, None))), None)
     switch = _rotary_switch(config)
     if switch is not None and (limit is None or switch < limit):
