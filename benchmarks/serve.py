@@ -236,12 +236,22 @@ def measure_llama_server(binary: str, gguf: str, args, prompts: list[str], clien
 
 
 def free_draft_decoder(speculative: SpeculativeDecoder, name: str, tokenizer) -> SpeculativeDecoder:
-    """A decoder on ``speculative``'s target weights with a free draft (``suffix``: global scope, as ``verispec serve
-    --draft suffix`` without keys; ``ngram``: prompt lookup), calibrated as ``verispec.load`` calibrates."""
+    """A decoder on ``speculative``'s target weights with a free draft, calibrated as ``verispec.load`` calibrates:
+    ``suffix`` (global scope, with the settings ``verispec serve --draft suffix`` takes on this target), ``ngram``
+    (prompt lookup), and their trees as ``--trees`` makes them (``suffix-tree``: a tree where it beats the chain per
+    step; ``ngram-tree``: the last matches merged where a wide pass costs little; ``docs/trees.md``)."""
     from verispec.decode.calibrate import CALIBRATION_TEXT, calibrate
     from verispec.drafters import NGramDrafter, SuffixDrafter
+    from verispec.factory import lookup_matches, suffix_settings
 
-    drafters = {"suffix": SuffixDrafter, "ngram": NGramDrafter}
+    backend = speculative.target
+    drafters = {
+        "suffix": lambda: SuffixDrafter(settings=suffix_settings(backend.pass_cost)),
+        "suffix-tree": lambda: SuffixDrafter(settings=suffix_settings(backend.pass_cost,
+                                                                      trees=backend.tree_branches > 1)),
+        "ngram": NGramDrafter,
+        "ngram-tree": lambda: NGramDrafter(matches=lookup_matches(backend)),
+    }
     if name not in drafters:
         raise SystemExit(f"--also-drafts: {name!r} is not one of {', '.join(drafters)}")
     decoder = SpeculativeDecoder(speculative.target_model, drafter=drafters[name](), vocab_size=speculative.vocab_size)
