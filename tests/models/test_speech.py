@@ -162,3 +162,24 @@ def test_a_request_past_the_decoders_positions_is_refused(pair) -> None:
     with pytest.raises(ValueError, match="exceeds the models' maximum length"):
         decoder.generate(_sounds(1), max_new_tokens=64)
     assert len(decoder.generate(_sounds(1), max_new_tokens=63).tokens[0]) == 63  # to the table's end, drafting
+
+
+@pytest.mark.parametrize("kind", ["whisper", "t5"])
+def test_bitwise_mode_greedy_is_the_plain_loop(pair, kind) -> None:
+    """The bitwise mode on encoder-decoders: its passes are cut to what this build scores bitwise as one-token
+    decoding (probed on the decoder over an encoded source), and greedy output equals the plain loop's."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from verispec.models.backend import torch_bitwise_cap
+
+    if kind == "whisper":
+        target, sources = pair[0], _sounds()
+    else:
+        target = T5ForConditionalGeneration(T5Config(vocab_size=80, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                     num_heads=4, decoder_start_token_id=0)).eval()
+        sources = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14], [20, 21]]
+    alone = SpeculativeDecoder(target).generate(sources, max_new_tokens=12, repetition_penalty=PENALTY, draft=None)
+    decoder = SpeculativeDecoder(target, drafter=NGramDrafter(), num_draft_tokens=4, bitwise=True)
+    assert decoder.mode == "bitwise" and decoder.target.pass_cap == torch_bitwise_cap(target) >= 1
+    out = decoder.generate(sources, max_new_tokens=12, repetition_penalty=PENALTY)
+    assert out.tokens == alone.tokens

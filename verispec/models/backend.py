@@ -101,8 +101,6 @@ class TorchBackend:
         self.model = model
         self.device = next(model.parameters()).device
         self._positions = position_limit(model)
-        if bitwise and getattr(model.config, "is_encoder_decoder", False):
-            raise ValueError("the bitwise mode is not available for encoder-decoder models yet")
         self.pass_cap = torch_bitwise_cap(model) if bitwise else None
 
     @property
@@ -215,8 +213,6 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
     cap = _CAPS.get(model)
     if cap is not None:
         return cap
-    from .cache import CachedLM
-
     generator = torch.Generator().manual_seed(0)
     vocab = model.get_input_embeddings().weight.shape[0]
     positions = position_limit(model)[0]
@@ -224,8 +220,7 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
     cap = most if depths else 1  # no room for a probe: one-token calls
     for depth in depths:
         tokens = torch.randint(vocab, (1, depth + most), generator=generator)  # [1, depth + most]
-        cache = CachedLM(model)
-        cache.reset(1)
+        cache = _probe_cache(model)
 
         def score(start: int, stop: int) -> torch.Tensor:  # [1, stop - start, V]
             return cache.forward(tokens[:, start:stop], torch.ones(1, stop - start, dtype=torch.bool),
@@ -241,6 +236,24 @@ def torch_bitwise_cap(model: PreTrainedModel, most: int = PROBE_MOST) -> int:
         cache.close()
     _CAPS[model] = cap
     return cap
+
+
+def _probe_cache(model: PreTrainedModel):
+    """An empty cache for one row; an encoder-decoder's with its source (16 token ids, or a speech model's silence)
+    encoded: its decoder's passes are what the bitwise probe compares."""
+    from .cache import CachedLM
+
+    if not getattr(model.config, "is_encoder_decoder", False):
+        cache = CachedLM(model)
+        cache.reset(1)
+        return cache
+    from .seq2seq import Seq2SeqLM, SourcePrompt, speech_features
+
+    features = speech_features(model)
+    cache = Seq2SeqLM(model)
+    cache.reset(1)
+    cache.encode([SourcePrompt([0], list(range(3, 19)) if features is None else torch.zeros(features))])
+    return cache
 
 
 _TREES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
