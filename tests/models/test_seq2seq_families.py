@@ -30,10 +30,7 @@ EXPECTED = {
 }
 # Neither decoded nor refused clearly: a bug of verispec's, in the table as "fails" until it is fixed (then these
 # pass unexpectedly, and the table is regenerated).
-KNOWN_FAILURES = {
-    family: "Seq2SeqLM reads config.hidden_size, which a composite encoder-decoder config lacks (AttributeError)"
-    for family in ("encoder-decoder", "t5gemma", "t5gemma2")
-}
+KNOWN_FAILURES: dict[str, str] = {}  # none: composite configs (EncoderDecoderModel, T5Gemma) are refused by name
 
 
 @pytest.fixture(autouse=True)

@@ -183,3 +183,45 @@ def test_bitwise_mode_greedy_is_the_plain_loop(pair, kind) -> None:
     assert decoder.mode == "bitwise" and decoder.target.pass_cap == torch_bitwise_cap(target) >= 1
     out = decoder.generate(sources, max_new_tokens=12, repetition_penalty=PENALTY)
     assert out.tokens == alone.tokens
+
+
+@pytest.mark.parametrize("kind", ["whisper", "bart"])
+def test_rows_joining_keep_the_cross_attention_of_the_rows_before_them(pair, kind) -> None:
+    """A row joining a batch whose cross-attention keys and values exist gets its own computed and appended (the
+    others' kept, padded where its source is longer): every row's logits stay the model's own forward's."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from verispec.models.seq2seq import Seq2SeqLM, SourcePrompt
+
+    if kind == "whisper":
+        model, sources = pair[0], _sounds(3)
+        own = lambda source, ids: model(input_features=source[None], decoder_input_ids=ids).logits[0]  # noqa: E731
+    else:
+        model = BartForConditionalGeneration(BartConfig(
+            vocab_size=80, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)).eval()
+        sources = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16]]  # the joining row's is the longest
+        own = lambda source, ids: model(input_ids=torch.tensor([source]), decoder_input_ids=ids).logits[0]  # noqa: E731
+    decoded = [[0, 3, 4, 5, 6], [0, 7, 8], [0, 9, 10, 11, 12]]
+
+    def step(cache, tokens: list[list[int]], first: list[int]) -> torch.Tensor:
+        ids = torch.tensor(tokens)
+        positions = torch.tensor([[f + i for i in range(ids.shape[1])] for f in first])
+        return cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), positions)
+
+    with torch.no_grad():
+        cache = Seq2SeqLM(model)
+        cache.reset(2)
+        cache.encode([SourcePrompt([0], s) for s in (sources[0], sources[2])])
+        step(cache, [decoded[0][:3], decoded[2][:3]], [0, 0])  # the cross-attention cache exists now
+        joining = Seq2SeqLM(model)
+        joining.reset(1)
+        joining.encode([SourcePrompt([0], sources[1])])
+        step(joining, [decoded[1][:1]], [0])
+        cache.append_rows(joining)
+        assert cache.cross.get_seq_length() > 0  # kept and extended, not dropped
+        logits = step(cache, [decoded[0][3:5], decoded[2][3:5], decoded[1][1:3]], [3, 3, 1])  # [3, 2, V]
+        for row, (source, tokens) in enumerate([(sources[0], decoded[0]), (sources[2], decoded[2]),
+                                                (sources[1], decoded[1])]):
+            want = own(source, torch.tensor([tokens]))[-2:]
+            assert torch.allclose(logits[row], want, atol=1e-4, rtol=1e-4), (kind, row)

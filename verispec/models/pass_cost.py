@@ -104,12 +104,12 @@ def torch_pass_cost(model: torch.nn.Module) -> PassCostCurve:
 
             inputs = {}
             if getattr(model.config, "is_encoder_decoder", False):  # a decoder pass over a 16-token source
-                from .seq2seq import encode_sources, speech_features
+                from .seq2seq import EncoderOutput, encode_sources, speech_features
 
                 features = speech_features(model)  # a speech model's: over silence
                 source = [0] * 16 if features is None else torch.zeros(features)
                 encoded, mask = encode_sources(model, [source])
-                inputs = {"encoder_outputs": (encoded,), "attention_mask": mask.long()}
+                inputs = {"encoder_outputs": EncoderOutput(last_hidden_state=encoded), "attention_mask": mask.long()}
 
             def run(n: int) -> None:
                 ids = torch.zeros((1, n), dtype=torch.long, device=device)

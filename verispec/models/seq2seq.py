@@ -30,11 +30,13 @@ import inspect
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, EncoderDecoderCache
+from transformers.modeling_outputs import BaseModelOutput
 
 from ..core.processors import TokenHistory
 from .cache import CachedLM, left_pad, padded_positions
@@ -54,6 +56,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 NO_SOURCE = "an encoder-decoder row needs its source (a SourcePrompt)"
+
+
+@dataclass
+class EncoderOutput(BaseModelOutput):
+    """The kept encoder output handed to the decoder's passes; ``router_logits`` (none) for the mixture-of-experts
+    families (Switch Transformers, NLLB-MoE), whose forward reads it whether or not it returns router losses."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
 
 
 class SourcePrompt(TokenHistory):
@@ -135,8 +145,8 @@ class Seq2SeqLM(CachedLM):
     def _set_empty(self, model: PreTrainedModel, batch_size: int) -> None:
         device = next(model.parameters()).device
         self.cross = DynamicCache(config=model.config)  # the decoder's cross-attention keys and values
-        width = model.config.get_text_config(decoder=True).d_model if hasattr(model.config, "d_model") else \
-            model.config.hidden_size
+        text = model.config.get_text_config(decoder=True)  # a composite config's (EncoderDecoderModel, T5Gemma)
+        width = next((v for n in ("d_model", "hidden_size") if isinstance(v := getattr(text, n, None), int)), 0)
         self.encoded = torch.zeros(batch_size, 0, width, dtype=model.dtype, device=device)  # [B, L, d]
         self.source_mask = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, L]
         self.has_source = torch.zeros(batch_size, dtype=torch.bool)  # [B] (host) rows encoded so far
@@ -181,11 +191,9 @@ class Seq2SeqLM(CachedLM):
         if self._last_position is not None:
             position_ids = position_ids.clamp(max=self._last_position)
         self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
-        from transformers.modeling_outputs import BaseModelOutput
-
         with _own_positions(self.model, position_ids.to(self.device)):
             out = self.model(
-                encoder_outputs=BaseModelOutput(last_hidden_state=self.encoded),
+                encoder_outputs=EncoderOutput(last_hidden_state=self.encoded),
                 attention_mask=self.source_mask.to(torch.long),
                 decoder_input_ids=input_ids.to(self.device),
                 decoder_attention_mask=self.slot_mask.to(torch.long),
@@ -217,19 +225,35 @@ class Seq2SeqLM(CachedLM):
 
     @torch.inference_mode()
     def append_rows(self, other: CachedLM) -> None:
-        """``CachedLM.append_rows`` for the decoder's slots; the sources are right-padded to one width, and the
-        cross-attention cache is computed again by the next pass (for every row)."""
+        """``CachedLM.append_rows`` for the decoder's slots; the sources are right-padded to one width. Where this
+        cache's rows have their cross-attention keys and values, the joining rows' are computed (theirs only) and
+        appended, padded with masked zeros; else the next pass computes every row's."""
         if other.batch_size == 0:
             return
         if not isinstance(other, Seq2SeqLM):
             raise ValueError(NO_SOURCE)
         width = max(self.encoded.shape[1], other.encoded.shape[1])
+        if self.cross.get_seq_length() > 0 and self.batch_size:
+            other.fill_cross()
+            self.cross = _joined(self.cross, other.cross, width, self.model.config)
+        else:
+            self.cross = DynamicCache(config=self.model.config)
         self.encoded = torch.cat([F.pad(e, (0, 0, 0, width - e.shape[1])) for e in (self.encoded, other.encoded)])
         self.source_mask = torch.cat([F.pad(m, (0, width - m.shape[1])) for m in (self.source_mask,
                                                                                  other.source_mask)])
         self.has_source = torch.cat([self.has_source, other.has_source])
-        self.cross = DynamicCache(config=self.model.config)
         super().append_rows(other)
+
+    @torch.inference_mode()
+    def fill_cross(self) -> None:
+        """Compute the rows' cross-attention keys and values now, if no pass has: one decoder pass of one token
+        per row on a scratch self-attention cache (its logits and slots are dropped)."""
+        if self.cross.get_seq_length() > 0 or not bool(self.has_source.all()):
+            return
+        start = torch.zeros(self.batch_size, 1, dtype=torch.long, device=self.device)  # [B, 1]
+        self.model(encoder_outputs=EncoderOutput(last_hidden_state=self.encoded),
+                   attention_mask=self.source_mask.to(torch.long), decoder_input_ids=start,
+                   cache=EncoderDecoderCache(DynamicCache(config=self.model.config), self.cross), use_cache=True)
 
     def append_holes(self, num_slots: int) -> None:
         raise NotImplementedError("an encoder-decoder cache keeps no holes (T5's bias counts slots)")
@@ -252,6 +276,17 @@ def encode_sources(model: PreTrainedModel, sources: Sequence[Sequence[int] | tor
         mask[b, : len(source)] = True
     ids, mask = ids.to(device), mask.to(device)
     return model.get_encoder()(input_ids=ids, attention_mask=mask.long()).last_hidden_state, mask
+
+
+def _joined(first: DynamicCache, second: DynamicCache, width: int, config) -> DynamicCache:
+    """Two rows' groups of cross-attention keys and values ``[B, H, L, d]`` per layer as one, each padded with zeros
+    to ``width`` source positions (masked by the source mask: they weigh exactly nothing)."""
+    joined = DynamicCache(config=config)
+    for index, (a, b) in enumerate(zip(first.layers, second.layers)):
+        keys, values = ([F.pad(t, (0, 0, 0, width - t.shape[2])) for t in pair]
+                        for pair in ((a.keys, b.keys), (a.values, b.values)))
+        joined.update(torch.cat(keys), torch.cat(values), index)
+    return joined
 
 
 @contextmanager
