@@ -127,6 +127,9 @@ def test_the_probe_refuses_what_it_should() -> None:
         seq2seq._verdicts[t5] = seq2seq._probe_seq2seq(t5)
         with pytest.raises(UnsupportedModelError, match="slot indices"):
             SpeculativeDecoder(t5)
+    # Left padding after a row's cached slots, fed as it comes, leaves a hole inside the row (a T5 draft's batch).
+    with _patched(Seq2SeqLM, "_pads_after_slots", lambda self, mask: torch.zeros(mask.shape[0], dtype=torch.long)):
+        assert seq2seq._probe_seq2seq(build("t5", seed=6))[0] == PADDING_CHANGES
 
 
 @contextlib.contextmanager

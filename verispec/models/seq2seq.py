@@ -190,6 +190,15 @@ class Seq2SeqLM(CachedLM):
             raise ValueError(NO_SOURCE)
         if self._last_position is not None:
             position_ids = position_ids.clamp(max=self._last_position)
+        # Left padding after a row's cached slots would leave a hole inside it (T5's bias counts slots): such a call
+        # runs right-padded (the row's tokens right after its slots, the pads after them, dropped by a compaction)
+        # and its logits go back to the caller's columns.
+        pads = self._pads_after_slots(input_mask)  # [B]
+        shifted = bool(pads.any())
+        if shifted:
+            columns = torch.arange(input_ids.shape[1])[None]  # [1, n]
+            order = (columns + pads[:, None]) % input_ids.shape[1]  # [B, n] right-padded column j <- column order[j]
+            input_ids, input_mask, position_ids = (t.gather(1, order) for t in (input_ids, input_mask, position_ids))
         self.slot_mask = torch.cat([self.slot_mask, input_mask.to(self.device, torch.bool)], dim=1)
         with _own_positions(self.model, position_ids.to(self.device)):
             out = self.model(
@@ -201,7 +210,16 @@ class Seq2SeqLM(CachedLM):
                 use_cache=True,
             )
         logits = out.logits  # [B, n, V]
+        if shifted:
+            back = (columns - pads[:, None]) % input_ids.shape[1]  # [B, n] the caller's column k <- column back[k]
+            logits = logits.gather(1, back.to(logits.device)[..., None].expand(-1, -1, logits.shape[-1]))
+            self.compact()
         return (logits[:, -num_logits:] if num_logits else logits).float()
+
+    def _pads_after_slots(self, input_mask: torch.Tensor) -> torch.Tensor:
+        """``[B]``: each row's leading padding columns in a call, where the cache holds slots (else zeros)."""
+        pads = (~input_mask.bool()).long().cumprod(dim=1).sum(dim=1)
+        return pads if self.num_slots else torch.zeros_like(pads)
 
     @torch.inference_mode()
     def rollback(self, lengths: Sequence[int]) -> None:
@@ -358,7 +376,8 @@ _verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def require_exact_seq2seq(model: PreTrainedModel) -> float:
     """Check that ``Seq2SeqLM`` reproduces ``model``'s own forward: two rows with sources of 7 and 3 tokens, the
     second's decoder tokens left-padded by two; a block whose drafts the first row rejects (a per-row rollback),
-    then two more tokens for both; every logit against the model's own full forward of that row alone. Raises
+    then two more tokens for both, then two and one (left-padded after its cached slots); every logit against the
+    model's own full forward of that row alone. Raises
     ``UnsupportedModelError`` naming the failed property; returns the largest relative difference. Once per
     model, side-effect free (eval mode restored)."""
     known = _verdicts.get(model)
@@ -383,9 +402,10 @@ def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
     decoded = [start + ids[12:16] + ids[:1], start + ids[13:16] + ids[1:3]]  # [2 rows][6 tokens]
     try:
         inputs = "input_ids" if features is None else "input_features"
+        more = [ids[2:4], ids[4:5]]  # a last pass: row 1 left-padded after its cached slots
         own = [model(**{inputs: torch.as_tensor(s, device=device)[None]}, use_cache=False,
-                     decoder_input_ids=torch.tensor([d], device=device)).logits[0].float()
-               for s, d in zip(sources, decoded)]  # [6, V] each
+                     decoder_input_ids=torch.tensor([d + m], device=device)).logits[0].float()
+               for s, d, m in zip(sources, decoded, more)]  # [8, V] and [7, V]
         lm = Seq2SeqLM(model, check=False)
         lm.reset(2)
         lm.encode([SourcePrompt(start, s) for s in sources])
@@ -400,6 +420,7 @@ def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
         block = step([junk, decoded[1][2:4]], None, [[4, 5], [2, 3]])
         lm.rollback([4, 4])  # row 0 rejects its block: its slots shift right
         final = step([decoded[0][4:], decoded[1][4:]], None, [[4, 5], [4, 5]])
+        last = step([more[0], [0] + more[1]], [[True, True], [False, True]], [[6, 7], [6, 6]])
         lm.close()
     except Exception as err:  # noqa: BLE001 - any failure inside the model's forward: it cannot run this way
         return FORWARD_FAILS, _describe(err), float("inf")
@@ -409,7 +430,8 @@ def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
     checks = [
         (PADDING_CHANGES, max(_difference(first[0], own[0][:4]), _difference(first[1, 2:], own[1][:2]))),
         (CACHE_DIFFERS, _difference(block[1], own[1][2:4])),
-        (SLOT_DEPENDENT, max(_difference(final[0], own[0][4:]), _difference(final[1], own[1][4:]))),
+        (SLOT_DEPENDENT, max(_difference(final[0], own[0][4:6]), _difference(final[1], own[1][4:6]))),
+        (PADDING_CHANGES, max(_difference(last[0], own[0][6:]), _difference(last[1, 1:], own[1][6:]))),
     ]
     for reason, difference in checks:
         if difference > tolerance:
