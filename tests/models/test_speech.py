@@ -4,6 +4,8 @@ alone, EOS inside an accepted block ends a row, and inputs of the wrong shape or
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tiny_models import perturbed
@@ -225,3 +227,31 @@ def test_rows_joining_keep_the_cross_attention_of_the_rows_before_them(pair, kin
                                                 (sources[1], decoded[1])]):
             want = own(source, torch.tensor([tokens]))[-2:]
             assert torch.allclose(logits[row], want, atol=1e-4, rtol=1e-4), (kind, row)
+
+
+def test_speech_models_with_other_inputs_are_refused_by_name() -> None:
+    """Speech encoder-decoders whose inputs are not Whisper's fixed window (Speech2Text's features of any length,
+    Moonshine's raw samples) are refused with the reason, before anything is decoded."""
+    from transformers import (
+        MoonshineConfig,
+        MoonshineForConditionalGeneration,
+        Speech2TextConfig,
+        Speech2TextForConditionalGeneration,
+    )
+
+    from verispec.models.capability import UnsupportedModelError
+    from verispec.models.seq2seq import OTHER_INPUTS
+
+    models = [
+        Speech2TextForConditionalGeneration(Speech2TextConfig(
+            vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, decoder_start_token_id=2)),
+        MoonshineForConditionalGeneration(MoonshineConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, encoder_num_hidden_layers=1,
+            decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
+            decoder_start_token_id=1)),
+    ]
+    for model in models:
+        assert speech_features(model) is None
+        with pytest.raises(UnsupportedModelError, match=re.escape(OTHER_INPUTS)):
+            SpeculativeDecoder(model.eval())

@@ -90,9 +90,16 @@ def speech_features(model: object) -> tuple[int, int] | None:
     encoder reads token ids."""
     if not is_encoder_decoder(model) or getattr(model, "main_input_name", "input_ids") != "input_features":
         return None
-    encoder = model.get_encoder()
-    strides = encoder.conv1.stride[0] * encoder.conv2.stride[0]
-    return model.config.num_mel_bins, model.config.max_source_positions * strides
+    encoder, config = model.get_encoder(), model.config
+    convolutions = [getattr(encoder, name, None) for name in ("conv1", "conv2")]
+    if None in convolutions or not all(hasattr(config, n) for n in ("num_mel_bins", "max_source_positions")):
+        return None  # not Whisper's fixed window: refused (OTHER_INPUTS)
+    return config.num_mel_bins, config.max_source_positions * convolutions[0].stride[0] * convolutions[1].stride[0]
+
+
+# Speech encoder-decoders whose inputs are not Whisper's fixed window of features (raw samples: Moonshine, SpeechT5;
+# features of any length: Speech2Text, SeamlessM4T's speech encoder): refused until their sources are taken.
+OTHER_INPUTS = "its encoder reads audio inputs verispec does not take yet (Whisper's fixed-length features only)"
 
 
 def is_encoder_decoder(model: object) -> bool:
@@ -390,6 +397,9 @@ def require_exact_seq2seq(model: PreTrainedModel) -> float:
 
 
 def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
+    inputs = getattr(model, "main_input_name", "input_ids")
+    if inputs != "input_ids" and speech_features(model) is None:
+        return OTHER_INPUTS, f"its forward's main input is {inputs!r}", float("inf")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -401,7 +411,6 @@ def _probe_seq2seq(model: PreTrainedModel) -> tuple[str | None, str, float]:
     start = list(decoder_prompt(model))[:1]  # the probe tests the cache, not the task: one start token
     decoded = [start + ids[12:16] + ids[:1], start + ids[13:16] + ids[1:3]]  # [2 rows][6 tokens]
     try:
-        inputs = "input_ids" if features is None else "input_features"
         more = [ids[2:4], ids[4:5]]  # a last pass: row 1 left-padded after its cached slots
         own = [model(**{inputs: torch.as_tensor(s, device=device)[None]}, use_cache=False,
                      decoder_input_ids=torch.tensor([d + m], device=device)).logits[0].float()
