@@ -226,3 +226,66 @@ def test_batch_job_decodes_text_to_text_rows(folders, tmp_path, capsys) -> None:
         assert row["tokens"] == want, source
         assert row["text"] == tokenizer.decode(want, skip_special_tokens=True)  # no space from the source before it
         assert row["prompt_tokens"] == len(ids)  # the source's tokens, not the decoder's start
+
+
+def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
+    """Continuous batching on an encoder-decoder: a second and third request join while the first is mid-run (the
+    engine is held inside a step until they are queued), with a T5 draft; every row gets the model's own greedy
+    output (the joining rows' cross-attention keys and values appended to the running rows', draft and target)."""
+    import threading
+
+    from verispec import SpeculativeDecoder
+    from verispec.drafters import ModelDrafter
+    from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent
+
+    class HeldDrafter(ModelDrafter):
+        """Holds the engine inside its third proposal until ``release`` is set (``holding`` says it is there)."""
+
+        def __init__(self, model, holding: threading.Event, release: threading.Event) -> None:
+            super().__init__(model)
+            self.holding, self.release, self.proposals = holding, release, 0
+
+        def fork(self) -> HeldDrafter:
+            return HeldDrafter(self.model, self.holding, self.release)
+
+        def propose(self, num_draft_tokens, uniforms, stop_below=None):
+            self.proposals += 1
+            if self.proposals == 3:
+                self.holding.set()
+                assert self.release.wait(120)
+            return super().propose(num_draft_tokens, uniforms, stop_below)
+
+    class Collector:
+        def __init__(self) -> None:
+            self.tokens: list[int] = []
+            self.done = threading.Event()
+
+        def __call__(self, event) -> None:
+            if isinstance(event, TokensEvent):
+                self.tokens.extend(event.tokens)
+            elif isinstance(event, FinishEvent):
+                self.done.set()
+
+    target = _t5()
+    tokenizer = _tokenizer()
+    sources = [tokenizer(s)["input_ids"] for s in SOURCES]
+    want = [_own_greedy(target, 16, input_ids=torch.tensor([ids])) for ids in sources]
+    holding, release = threading.Event(), threading.Event()
+    drafter = HeldDrafter(perturbed(target, scale=0.3), holding, release)
+    engine = Engine(SpeculativeDecoder(target, drafter=drafter, num_draft_tokens=3), max_batch_size=4)
+    engine.start()
+    try:
+        collectors = [Collector() for _ in sources]
+        engine.submit(EngineRequest(sources[0], max_new_tokens=16,
+                                    sampling_options={"repetition_penalty": PENALTY}), collectors[0])
+        assert holding.wait(120)  # the first row is mid-run, its engine held inside a step
+        for source, collector in zip(sources[1:], collectors[1:]):
+            engine.submit(EngineRequest(source, max_new_tokens=16, sampling_options={"repetition_penalty": PENALTY}),
+                          collector)
+        release.set()
+        for collector in collectors:
+            assert collector.done.wait(120)
+    finally:
+        release.set()
+        engine.shutdown()
+    assert 0 < len(collectors[0].tokens) and [c.tokens for c in collectors] == want
