@@ -289,3 +289,23 @@ def test_rows_joining_a_running_engine_batch_keep_their_greedy_output() -> None:
         release.set()
         engine.shutdown()
     assert 0 < len(collectors[0].tokens) and [c.tokens for c in collectors] == want
+
+
+def test_suffix_decoding_drafts_from_the_source_and_keeps_the_output(folders) -> None:
+    """``--draft suffix`` on an encoder-decoder: its per-request tree holds the source before the decoder's tokens
+    (as prompt lookup does), so a target that copies its source gets drafts from it; output is the model's own."""
+    from verispec.drafters import SuffixDrafter
+
+    decoder, tokenizer = verispec.load(folders["t5"], "suffix", calibrate=False, num_draft_tokens=4)
+    assert isinstance(decoder.drafter, SuffixDrafter)
+    batch = [tokenizer(s)["input_ids"] for s in SOURCES]
+    target = decoder.target_model
+    want = [_own_greedy(target, 12, input_ids=torch.tensor([ids])) for ids in batch]
+    assert decoder.generate(batch, max_new_tokens=12, repetition_penalty=PENALTY).tokens == want
+    from verispec.core.sampling import SamplingParams
+    from verispec.models.seq2seq import SourcePrompt
+
+    drafter = SuffixDrafter()  # a row whose output has begun to copy its source: 7 8 ... -> 9 10 11 12
+    drafter.start([SourcePrompt((0,), [7, 8, 9, 10, 11, 12, 13])], SamplingParams(), 64)
+    drafter.update([0], [[7, 8, 9]])
+    assert drafter.propose(3, None).draft_ids[0].tolist() == [10, 11, 12]

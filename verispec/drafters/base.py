@@ -120,6 +120,13 @@ class SourceDrafter(Drafter):
         (nothing; the row's length is 0). The model runs only if some row's source is "model"."""
 
 
+def with_source(prompt: Sequence[int]) -> list[int]:
+    """A row's text for drafters that copy from it: an encoder-decoder row's source token ids (``SourcePrompt``;
+    none for a speech row's features) before its decoder tokens, else the prompt itself."""
+    source = getattr(prompt, "source", ())
+    return [*(() if isinstance(source, torch.Tensor) else source), *prompt]
+
+
 def per_row(sampling: SamplingParams | Sequence[SamplingParams], batch_size: int) -> list[SamplingParams]:
     """One ``SamplingParams`` per row (a single one is shared by all rows)."""
     if isinstance(sampling, SamplingParams):

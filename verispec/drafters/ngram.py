@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.sampling import SamplingParams
-from .base import Drafter, Proposal
+from .base import Drafter, Proposal, with_source
 
 
 def lookup_proposal(found: list[list[int]], parents: list[list[int] | None] | None = None) -> Proposal:
@@ -146,7 +146,7 @@ class NGramDrafter(Drafter):
     def add_rows(self, prompts: list[list[int]], sampling: Sequence[SamplingParams]) -> None:
         # An encoder-decoder row's source comes first: its output copies spans of it (names, quotes, summaries);
         # a speech row's source is sound (features), not tokens.
-        self.histories += [[*_source_ids(p), *p] for p in prompts]
+        self.histories += [with_source(p) for p in prompts]
         self.indexes += [NGramIndex(self.min_ngram, self.max_ngram, self.matches) for _ in prompts]
         self._found = None
 
@@ -165,9 +165,3 @@ class NGramDrafter(Drafter):
         self.histories = [self.histories[r] for r in rows]
         self.indexes = [self.indexes[r] for r in rows]
         self._found = None
-
-
-def _source_ids(prompt: Sequence[int]) -> Sequence[int]:
-    """An encoder-decoder row's source token ids (none for a causal row, or a speech row's features)."""
-    source = getattr(prompt, "source", ())
-    return () if isinstance(source, torch.Tensor) else source

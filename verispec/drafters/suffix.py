@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.sampling import SamplingParams
-from .base import Drafter, Proposal, per_row
+from .base import Drafter, Proposal, per_row, with_source
 from .ngram import lookup_proposal
 
 try:  # arctic-inference's suffix trees; optional: `pip install 'verispec[suffix]'`
@@ -313,9 +313,10 @@ class SuffixDrafter(Drafter):
             request_id = self.trees.new_request_id()
             if scope is not None:
                 self.trees.start(scope, request_id)
-            self._texts.start_request(request_id, list(prompt))
+            text = with_source(prompt)  # an encoder-decoder's source first: its output copies spans of it
+            self._texts.start_request(request_id, text)
             reads = scope is not None and (params.greedy or self.share_sampled)
-            self._rows.append(_Row(request_id, list(prompt[-2 * self.settings.max_depth:]), scope, reads,
+            self._rows.append(_Row(request_id, text[-2 * self.settings.max_depth:], scope, reads,
                                    frozenset(params.stop_token_ids)))
         self._drafts = None
 
