@@ -76,15 +76,22 @@ def test_greedy_identity_in_a_batch_with_a_draft_alone_and_with_lookup(pair) -> 
 
 
 def test_eos_ends_a_row_inside_a_block(pair) -> None:
+    """With a partly agreeing draft, and with an oracle draft whose every token is accepted (blocks of 5 tokens:
+    an EOS at index i % 5 not in (0, 4) falls inside an accepted block): each row ends at its first EOS."""
+    from models.test_seq2seq import _Oracle
+
     target, draft = pair
     sounds, new = _sounds(), 16
     want = [_own_greedy(target, f, new) for f in sounds]
-    eos = want[0][5]
-    out = SpeculativeDecoder(target, draft, num_draft_tokens=3).generate(
-        sounds, max_new_tokens=new, repetition_penalty=PENALTY, eos_token_id=eos)
-    for tokens, row in zip(out.tokens, want):
-        assert tokens == (row[: row.index(eos) + 1] if eos in row else row)
-    assert out.finish_reasons[0] == "stop"
+    eos, row = next((token, r) for r, tokens in enumerate(want) for i, token in enumerate(tokens)
+                    if i % 5 not in (0, 4) and tokens.index(token) == i)
+    for decoder in (SpeculativeDecoder(target, draft, num_draft_tokens=3),
+                    SpeculativeDecoder(target, drafter=_Oracle(want), num_draft_tokens=4)):
+        out = decoder.generate(sounds, max_new_tokens=new, repetition_penalty=PENALTY, eos_token_id=eos)
+        for tokens, expected in zip(out.tokens, want):
+            assert tokens == (expected[: expected.index(eos) + 1] if eos in expected else expected)
+        assert out.finish_reasons[row] == "stop" and len(out.tokens[row]) < new
+    assert out.stats.steps <= -(-new // 5)  # the oracle's blocks of 5 tokens throughout
 
 
 @pytest.mark.parametrize("inputs, message", [
