@@ -20,7 +20,8 @@ rows' errors add in quadrature). Exploration is by confidence bounds too: on a s
 neighbour of the current choice (c - 1 or c + 1) with the best upper bound runs once if that bound beats the
 choice. A look pays the drafter's whole catch-up (a draft that has been idle must first feed every token it
 missed), so under load with requests joining all the time it is rarely worth it. The schedule's interval goes
-back to one step while the neighbour might beat even the choice's upper bound, else doubles up to
+back to one step while the neighbour might beat even the choice's upper bound (for free drafts, at one row only:
+a batch of fresh requests keeps its bounds wide for good), else doubles up to
 ``max_explore_interval`` steps, where it re-measures whatever the bounds say (the load may have changed) unless
 the catch-up alone costs more than a step of the target alone.
 
