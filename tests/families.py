@@ -293,14 +293,18 @@ def verdict(family: str) -> Verdict:
 
 
 # -- the README table -------------------------------------------------------------------------------------
+# The encoder-decoder sweep (seq2seq_families.py) keeps a table of its own in docs/models.md with these helpers.
 
-def render_table(verdicts: list[Verdict]) -> str:
+STATUSES = ("exact", "exact, shorter requests", "refused", "not built")  # table order
+MARKERS = (TABLE_START, TABLE_END)
+
+
+def render_table(verdicts: list[Verdict], statuses: tuple[str, ...] = STATUSES) -> str:
     groups: dict[tuple[str, str], list[str]] = {}
     for v in verdicts:
         groups.setdefault((v.status, table_reason(v.reason)), []).append(v.family)
-    order = {"exact": 0, "exact, shorter requests": 1, "refused": 2, "not built": 3}
     lines = ["| verdict | why | families |", "|---|---|---|"]
-    for (status, reason), names in sorted(groups.items(), key=lambda item: (order[item[0][0]], item[0][1])):
+    for (status, reason), names in sorted(groups.items(), key=lambda item: (statuses.index(item[0][0]), item[0][1])):
         lines.append(f"| {status} ({len(names)}) | {reason or '-'} | {', '.join(sorted(names))} |")
     return "\n".join(lines)
 
@@ -310,38 +314,41 @@ def table_reason(reason: str) -> str:
     return re.sub(r"=\d+| \(transformers [^)]*\)", "", reason)
 
 
-def readme_table() -> str:
+def readme_table(markers: tuple[str, str] = MARKERS) -> str:
     text = README.read_text()
-    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     return text[start:end].strip()
 
 
-def readme_verdicts() -> dict[str, tuple[str, str]]:
+def readme_verdicts(markers: tuple[str, str] = MARKERS) -> dict[str, tuple[str, str]]:
     """family -> (status, short reason) as the README's table states them."""
     found = {}
-    for line in readme_table().splitlines()[2:]:
+    for line in readme_table(markers).splitlines()[2:]:
         status, reason, names = (cell.strip() for cell in line.strip().strip("|").split("|"))
         for name in names.split(", "):
             found[name] = (re.sub(r" \(\d+\)$", "", status), "" if reason == "-" else reason)
     return found
 
 
-def write_readme_table(table: str) -> None:
+def write_readme_table(table: str, markers: tuple[str, str] = MARKERS) -> None:
     text = README.read_text()
-    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
     README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
 
 
-def main(argv: list[str]) -> int:
+def run_command(argv: list[str], every: list[str], verdict_of, statuses: tuple[str, ...] = STATUSES,
+                markers: tuple[str, str] = MARKERS) -> int:
+    """The command line of a family sweep: each named family's verdict (``every`` family without names), then
+    the table, printed or (``--write``, every family) written between ``markers``."""
     write = "--write" in argv
-    names = [a for a in argv if not a.startswith("--")] or families()
-    if write and names != families():
+    names = [a for a in argv if not a.startswith("--")] or every
+    if write and names != every:
         print("--write needs every family (no names)", file=sys.stderr)
         return 2
     verdicts, failures = [], 0
     for name in names:
         try:
-            v = verdict(name)
+            v = verdict_of(name)
         except Exception as err:  # noqa: BLE001 - a wrong token or a crash: report it, go on with the others
             failures += 1
             print(f"{name}: FAILED: {type(err).__name__}: {err}", flush=True)
@@ -349,16 +356,19 @@ def main(argv: list[str]) -> int:
         verdicts.append(v)
         print(f"{name}: {v.status}{': ' + v.reason if v.reason else ''}{' [' + v.detail + ']' if v.detail else ''}",
               flush=True)
-    table = render_table(verdicts)
+    table = render_table(verdicts, statuses)
     if failures:
         print(f"{failures} families failed; the table was not written", file=sys.stderr)
         return 1
     if write:
-        write_readme_table(table)
+        write_readme_table(table, markers)
     else:
         print(table)
     return 0
 
+
+def main(argv: list[str]) -> int:
+    return run_command(argv, families(), verdict)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
