@@ -43,6 +43,17 @@ def build(kind: str, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2) ->
     return model.eval()
 
 
+def spread(model: PreTrainedModel, seed: int = 0, gain: float = 2.0) -> PreTrainedModel:
+    """``model`` with its matrices drawn again, N(0, gain^2 / fan_in), in eval mode: a random model whose greedy
+    output varies with its input (the default initialisation's tiny encoder-decoders repeat one token)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and param.is_floating_point():
+                param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[-1] ** 0.5)
+    return model.eval()
+
+
 def perturbed(model: PreTrainedModel, scale: float = 0.1, seed: int = 1) -> PreTrainedModel:
     """A copy of ``model`` with relative Gaussian noise on every weight: a draft that agrees partly."""
     draft = copy.deepcopy(model)

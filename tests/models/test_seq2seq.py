@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 import torch
-from tiny_models import perturbed
+from tiny_models import perturbed, spread
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
@@ -56,11 +56,7 @@ def build(kind: str, seed: int = 0, vocab_size: int = VOCAB, gain: float = 2.0) 
                                            decoder_start_token_id=vocab_size - 1))
     else:
         raise ValueError(kind)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[-1] ** 0.5)
+    spread(model, seed, gain)
     model.generation_config.forced_eos_token_id = None  # generate's own forcing of EOS at max_length: off
     model.generation_config.forced_bos_token_id = None
     return model.eval()

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from tiny_models import perturbed
+from tiny_models import perturbed, spread
 from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -40,24 +40,14 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
 
 
-def _spread(model: PreTrainedModel, seed: int = 0, gain: float = 2.0) -> PreTrainedModel:
-    """Weights N(0, gain^2 / fan_in): a random model whose greedy output is not one token repeated."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[-1] ** 0.5)
-    return model.eval()
-
-
 def _t5() -> PreTrainedModel:
-    return _spread(T5ForConditionalGeneration(T5Config(
+    return spread(T5ForConditionalGeneration(T5Config(
         vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
         decoder_start_token_id=0, relative_attention_num_buckets=8)))
 
 
 def _whisper() -> PreTrainedModel:
-    return _spread(WhisperForConditionalGeneration(WhisperConfig(
+    return spread(WhisperForConditionalGeneration(WhisperConfig(
         vocab_size=len(WORDS), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
         max_source_positions=50 * CHUNK_SECONDS, max_target_positions=64, pad_token_id=0, bos_token_id=0,

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from tiny_models import perturbed
+from tiny_models import perturbed, spread
 from transformers import RepetitionPenaltyLogitsProcessor, WhisperConfig, WhisperForConditionalGeneration
 
 from verispec import SpeculativeDecoder
@@ -25,12 +25,7 @@ def _whisper(seed: int = 0, gain: float = 1.5) -> WhisperForConditionalGeneratio
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL,
         max_source_positions=FRAMES // 2, max_target_positions=64, pad_token_id=0, bos_token_id=0, eos_token_id=1,
         decoder_start_token_id=0, suppress_tokens=None, begin_suppress_tokens=None))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) * gain / param.shape[-1] ** 0.5)
-    return model.eval()
+    return spread(model, seed, gain)
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +140,7 @@ def test_sampled_tokens_follow_the_target_law() -> None:
         decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=MEL,
         max_source_positions=FRAMES // 2, max_target_positions=16, pad_token_id=0, bos_token_id=0, eos_token_id=1,
         decoder_start_token_id=0, suppress_tokens=None, begin_suppress_tokens=None)).eval()
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for param in target.parameters():
-            if param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    spread(target, seed=7, gain=1.0)
     draft = perturbed(target, scale=0.5)
     sounds = _sounds(2)
     out = SpeculativeDecoder(target, draft, num_draft_tokens=2).generate(
