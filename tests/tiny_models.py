@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 
 import torch
 from transformers import (
@@ -41,6 +43,18 @@ def build(kind: str, seed: int = 0, vocab_size: int = VOCAB, layers: int = 2) ->
     else:
         raise ValueError(kind)
     return model.eval()
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One torch intra-op thread inside the block, restored after it: tiny matrices gain nothing from a second
+    thread, and on a shared, loaded CPU the threads mostly wait on each other (tens of times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def spread(model: PreTrainedModel, seed: int = 0, gain: float = 2.0) -> PreTrainedModel:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import families
 import pytest
 import torch
-from tiny_models import KINDS, VOCAB, build, perturbed, prompt, reference_greedy
+from tiny_models import KINDS, VOCAB, build, one_torch_thread, perturbed, prompt, reference_greedy
 from transformers import BertConfig, BertLMHeadModel, GPT2Config, GPT2LMHeadModel
 
 from verispec import SpeculativeDecoder
@@ -22,10 +22,8 @@ VOCAB_FAMILIES = families.VOCAB
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny matrices: on a shared CPU a second thread mostly waits for its share (tens of times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def fresh_logits(model, tokens: list[int]) -> torch.Tensor:

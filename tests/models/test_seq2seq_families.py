@@ -17,6 +17,7 @@ import families
 import pytest
 import seq2seq_families
 import torch
+from tiny_models import one_torch_thread
 
 from verispec import SpeculativeDecoder
 from verispec.models import capability
@@ -36,10 +37,8 @@ KNOWN_FAILURES: dict[str, str] = {}  # none: composite configs (EncoderDecoderMo
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny matrices on a shared 2-core machine: a second torch thread only waits for its share (as in the sweep)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def test_the_default_subset_is_the_expected_one() -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-import torch
 from batch_support import decoded, job_rows, read_output, write_jsonl
 from serving.serving_support import save_pair, wait_until
+from tiny_models import one_torch_thread
 
 from verispec.offline import JobDefaults, run_batch
 from verispec.offline.store import OutputFile
@@ -31,10 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 def one_thread():
     """One torch thread, as each Ray worker has (Ray sets OMP_NUM_THREADS to its CPUs): the tiny models run no
     faster on two, and on a busy machine two threads wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+from tiny_models import one_torch_thread
 
 from verispec.core import tree as tree_module
 from verispec.core.processors import process_logits
@@ -55,10 +56,8 @@ MODES = ("correct", "original_target", "no_residual")
 def one_thread():
     """The tensors here are tiny ([50_000, 4]): intra-op threads only add synchronisation, which costs 50x on a
     loaded machine. One thread for this module, restored after it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------
