@@ -17,7 +17,8 @@ A family passes when all of this holds, or when verispec refuses it with a clear
 (``UnsupportedModelError``) before generating. One that verispec neither decodes nor refuses clearly (another
 exception while the decoder is built) is recorded as "fails": a bug, tabulated so that the table says what the code
 does. Families that cannot be built offline at tiny sizes are recorded with the reason (the speech models of the
-mapping are causal LMs behind an audio encoder, not encoder-decoders). ``tests/models/test_seq2seq_families.py`` runs this;
+mapping are causal LMs behind an audio encoder, not encoder-decoders). ``tests/models/test_seq2seq_families.py``
+runs this;
 
     python -m tests.seq2seq_families [--write] [FAMILY ...]
 

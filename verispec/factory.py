@@ -207,10 +207,11 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
     ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
     alone). A folder may hold an encoder-decoder (``AutoModelForSeq2SeqLM``: its inputs are then sources;
-    ``AutoModelForSpeechSeq2Seq``, Whisper: input features; ``docs/models.md``). ``"suffix"`` is suffix decoding (``drafters/suffix.py``: drafts from the request's own text and from
-    earlier responses, the last ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says:
-    ``"global"``, ``"key"`` or ``"request"``); ``"suffix+MODEL"`` drafts each row from it or from the draft model
-    ``MODEL`` (or not at all), as the speculation controller finds pays (``policy/sources.py``).
+    ``AutoModelForSpeechSeq2Seq``, Whisper: input features; ``docs/models.md``). ``"suffix"`` is suffix decoding
+    (``drafters/suffix.py``: drafts from the request's own text and from earlier responses, the last
+    ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says: ``"global"``, ``"key"`` or ``"request"``);
+    ``"suffix+MODEL"`` drafts each row from it or from the draft model ``MODEL`` (or not at all), as the speculation
+    controller finds pays (``policy/sources.py``).
     ``dtype``: ``float32`` (the default), ``bfloat16`` or ``float16``; GGUF weights are dequantised to
     it. ``fast`` (CPU): pre-pack the target's linear layers (same dtype, same products: its output is its
     own) and quantise a draft model to ``draft_quant`` (``"int4"``, falling back to int8 where ATen's int4

@@ -68,7 +68,8 @@ class _Recorder(SpeculationController):
 def calibrate(decoder, prompt_ids: Sequence[int] | torch.Tensor, *, lengths: Sequence[int] = CALIBRATION_LENGTHS,
               steps: int = CALIBRATION_STEPS) -> Calibration:
     """Time ``steps`` greedy batch-1 steps of ``decoder`` at each draft length in ``lengths`` (clipped to its
-    most, duplicates dropped) on ``prompt_ids`` (a speech target's input features), feeding the decoder's own speculation controller. A decoder
+    most, duplicates dropped) on ``prompt_ids`` (a speech target's input features), feeding the decoder's own
+    speculation controller. A decoder
     without a drafter, with a fixed draft length (its controller never chooses), or whose target prices every
     draft out (``paying_cap``: the planner never drafts there), is left as it is. A two-source drafter
     (``suffix+MODEL``) is timed with its model alone, so every step timed is a model-plan step and lands in the
@@ -95,7 +96,8 @@ def calibrate(decoder, prompt_ids: Sequence[int] | torch.Tensor, *, lengths: Seq
     return report
 
 
-def _run(decoder, drafter, prompt: list[int] | torch.Tensor, length: int, steps: int, controller: SpeculationController) -> int:
+def _run(decoder, drafter, prompt: list[int] | torch.Tensor, length: int, steps: int,
+         controller: SpeculationController) -> int:
     """``steps`` steps of one greedy row pinned to ``length`` drafts; the tokens it committed."""
     request = validate_request(decoder.limits, [prompt], SamplingParams(), steps * (length + 1) + 1)
     rows = decoder.rows_for(request, [0], num_draft_tokens=length)

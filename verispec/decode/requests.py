@@ -156,7 +156,8 @@ def _features(inputs, attention_mask: torch.Tensor | None, shape: tuple[int, int
         raise ValueError("input_features holds no inputs")
     for b, row in enumerate(rows):
         if not isinstance(row, torch.Tensor) or not row.is_floating_point() or tuple(row.shape) != shape:
-            got = f"shape {tuple(row.shape)}, dtype {row.dtype}" if isinstance(row, torch.Tensor) else type(row).__name__
+            got = (f"shape {tuple(row.shape)}, dtype {row.dtype}" if isinstance(row, torch.Tensor)
+                   else type(row).__name__)
             raise ValueError(f"input {b}: a speech model reads float input features of shape {shape} (mel bins, "
                              f"frames: its feature extractor's input_features), got {got}")
     return [row.detach().cpu() for row in rows]
