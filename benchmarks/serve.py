@@ -42,6 +42,7 @@ from run import cpu_name  # noqa: E402
 from verispec import SpeculativeDecoder  # noqa: E402
 from verispec.cli.common import build_decoder  # noqa: E402
 from verispec.models import eos_token_ids  # noqa: E402
+from verispec.models.llamacpp import LlamaModel  # noqa: E402
 from verispec.serving.engine import Engine  # noqa: E402
 from verispec.serving.app import create_app  # noqa: E402
 
@@ -209,6 +210,8 @@ def mean(values: list) -> float | None:
 
 
 def serve_and_measure(decoder, tokenizer, eos, max_context: int, args, prompts: list[str], clients: int) -> dict:
+    if isinstance(decoder.target_model, LlamaModel):  # modes share the weights: none starts from another's prompts
+        decoder.target_model.clear_prompt_cache()
     engine = Engine(decoder, max_batch_size=args.max_batch_size)
     engine.start()
     server = LiveServer(create_app(engine, tokenizer, MODEL, max_context, eos_token_ids=eos))
@@ -365,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-ctx", type=int, default=None, help="as verispec serve's --llama-ctx (KV tokens)")
     parser.add_argument("--llama-streams", action=argparse.BooleanOptionalAction, default=None,
                         help="as verispec serve's --llama-streams / --no-llama-streams (default: a KV stream per row)")
+    parser.add_argument("--no-llama-prompt-cache", dest="llama_prompt_cache", action="store_false", default=None,
+                        help="as verispec serve's: every prompt evaluated whole (the prompt cache is emptied before "
+                             "each mode and level either way, so each starts as cold as a llama-server started "
+                             "for it)")
     parser.add_argument("--also-drafts", default="", help="comma-separated free drafts (suffix, ngram) measured as "
                         "further modes on the same target weights")
     parser.add_argument("--llama-server", default=None, metavar="BIN",
@@ -387,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     model_args = argparse.Namespace(target=args.target, draft=args.draft, num_draft_tokens=args.num_draft_tokens,
                                     dtype="float32", device=args.device, fast=True, backend=args.backend,
                                     llama_threads=args.llama_threads, llama_ctx=args.llama_ctx,
-                                    llama_streams=args.llama_streams, max_batch_size=args.max_batch_size)
+                                    llama_streams=args.llama_streams, max_batch_size=args.max_batch_size,
+                                    llama_prompt_cache=args.llama_prompt_cache)
     speculative, tokenizer = build_decoder(model_args, log)
     if args.prompts == "repetitive":  # suffix/bench.py's edits, loops and second turns, in the target's template
         sys.path.insert(0, str(Path(__file__).parent / "suffix"))

@@ -38,8 +38,8 @@ class SourceCounts:
         return out
 
 
-_SUMMED = ("prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens", "target_passes", "num_drafts",
-           "tree_drafts", "tree_nodes", "forks_won")
+_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "draft_tokens", "accepted_tokens",
+           "target_passes", "num_drafts", "tree_drafts", "tree_nodes", "forks_won")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class RowRecord:
     record too; the rates are derived here only."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # ... of them a prompt cache held already (not evaluated again)
     completion_tokens: int = 0  # tokens emitted (EOS included; past a stop string too)
     draft_tokens: int = 0  # drafts proposed
     accepted_tokens: int = 0  # ... and kept by the target

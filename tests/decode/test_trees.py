@@ -1,17 +1,15 @@
 """Draft trees through the decode loop (``core/tree.py``, ``decode/batch.py``), on both backends: greedy output is
 the target's own, token for token, whatever the tree's shape and wherever its right branch is.
 
-``ForkDrafter`` knows each row's reference continuation (the plain loop's output) and proposes a tree around it:
-at each depth the right token among wrong siblings in random order, wrong branches that run on, and a path that
-breaks at random, so the accepted path often leaves the first branch (a fork a chain would have lost). On torch the
-output must equal the plain loop's exactly; on llama.cpp (the tiny GGUF, default mode) every divergence must be
-at a near-tie, as ``tests/models/test_modes.py`` asks of chains.
+``ForkDrafter`` (``tests/fork_drafter.py``) knows each row's reference continuation (the plain loop's output) and
+proposes a tree around it, so the accepted path often leaves the first branch (a fork a chain would have lost). On
+torch the output must equal the plain loop's exactly; on llama.cpp (the tiny GGUF, default mode) every divergence
+must be at a near-tie, as ``tests/models/test_modes.py`` asks of chains.
 """
 
 from __future__ import annotations
 
 import functools
-import random
 import sys
 import threading
 from pathlib import Path
@@ -21,12 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf: a fixture
+from fork_drafter import ForkDrafter  # noqa: E402
 from tiny_models import build, pair  # noqa: E402
 
 from verispec.decode import SpeculativeDecoder  # noqa: E402
 from verispec.core.tree import within_branches  # noqa: E402
-from verispec.drafters import Drafter, ModelDrafter, Proposal  # noqa: E402
-from verispec.drafters.ngram import lookup_proposal  # noqa: E402
+from verispec.drafters import ModelDrafter, Proposal  # noqa: E402
 from verispec.models.backend import backend_of, pass_difference  # noqa: E402
 from verispec.models.llamacpp import LlamaModel, LlamaSettings  # noqa: E402
 from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEvent  # noqa: E402
@@ -34,68 +32,6 @@ from verispec.serving.engine import Engine, EngineRequest, FinishEvent, TokensEv
 PROMPTS = [[40, 41, 42, 43, 44, 40, 41, 42, 43, 44, 40, 41], [7, 8, 9, 7, 8, 9, 7],
            [200, 17, 33, 200, 17, 33, 5, 6, 200, 17], [*range(100, 140)] * 2]
 NEAR_TIE = 4.0  # as test_modes.py: a divergence at a gap within this many measured pass differences
-
-
-class ForkDrafter(Drafter):
-    """Trees around each row's reference continuation (see the module); ``references`` maps a prompt (as a
-    tuple) to its reference output. ``break_rate``: how often the right token is left out at a depth."""
-
-    def __init__(self, references: dict[tuple[int, ...], list[int]], vocab: int, seed: int = 0,
-                 break_rate: float = 0.15) -> None:
-        self.references, self.vocab, self.break_rate = references, vocab, break_rate
-        self.random = random.Random(seed)
-        self.rows: list[tuple[list[int], list[int]]] = []  # (reference, output so far)
-        self.trees = 0  # proposals with a fork
-
-    def start(self, prompts, sampling, vocab_size) -> None:
-        self.rows = []
-        self.add_rows(prompts, sampling)
-
-    def add_rows(self, prompts, sampling) -> None:
-        self.rows += [(self.references[tuple(prompt)], []) for prompt in prompts]
-
-    def _wrong(self, right: int) -> int:
-        token = self.random.randrange(self.vocab - 1)
-        return token + (token >= right)
-
-    def _tree(self, reference: list[int], done: int, most: int) -> tuple[list[int], list[int]]:
-        tokens, parents, parent, position = [], [], -1, done
-        while len(tokens) < most and position < len(reference):
-            right = reference[position]
-            siblings = [right] + [self._wrong(right) for _ in range(self.random.randrange(3))]
-            self.random.shuffle(siblings)
-            if self.random.random() < self.break_rate:
-                siblings.remove(right)
-            right_node = None
-            for token in siblings:
-                if len(tokens) == most:
-                    break
-                tokens.append(token)
-                parents.append(parent)
-                if token == right:
-                    right_node = len(tokens) - 1
-                elif len(tokens) < most and self.random.random() < 0.3:  # a wrong branch that runs on
-                    tokens.append(self._wrong(right))
-                    parents.append(len(tokens) - 2)
-            if right_node is None:
-                break
-            parent, position = right_node, position + 1
-        return tokens, parents
-
-    def propose(self, num_draft_tokens, uniforms, stop_below=None) -> Proposal:
-        found = [self._tree(reference, len(output), num_draft_tokens) for reference, output in self.rows]
-        self.trees += sum(len(set(parents)) < len(parents) for _, parents in found)
-        return lookup_proposal([tokens for tokens, _ in found], [parents for _, parents in found])
-
-    def update(self, num_accepted, new_tokens) -> None:
-        for (_, output), tokens in zip(self.rows, new_tokens):
-            output.extend(tokens)
-
-    def select_rows(self, rows) -> None:
-        self.rows = [self.rows[r] for r in rows]
-
-    def fork(self) -> ForkDrafter:
-        return ForkDrafter(self.references, self.vocab)
 
 
 class Collector:
@@ -228,7 +164,10 @@ def test_llama_cpp_trees_part_from_the_plain_loop_only_at_near_ties(llama_target
         if first is not None:
             assert plain_gap(model, prompt, expected[:first + 1]) <= NEAR_TIE * bound
     assert sorted(model._free_branches) == list(range(model.settings.n_seq_max, model.settings.n_seq_max + 4 * len(PROMPTS)))
-    assert model.context.used_cells() == 0  # every row's cells and every branch's went back
+    # every row's cells and every branch's went back, but for what the prompt cache keeps: rows' own tokens only
+    branches = range(model.settings.n_seq_max, model.settings.n_seq_max + model.settings.branch_seqs())
+    assert model.held_cells() == 0 and model.context.used_cells(branches) == 0
+    assert all(model.context.used_cells([seq]) == len(held) for seq, (_, held) in model._kept.items())
 
 
 FORKED = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [30, 31, 32, 30, 31, 33, 30, 31, 32, 34, 30, 31] * 2]

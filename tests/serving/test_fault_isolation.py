@@ -177,4 +177,7 @@ def test_a_poisoned_row_fails_alone_on_llama_cpp(llama_models, poison, after, ca
     assert any(record.exc_info and f"engine row {failed.row.key} " in record.getMessage()
                for record in caplog.records)
     for model in (target, draft):  # no sequence left behind, though the tracebacks above still hold their frames
-        assert len(model._free_seqs) == LLAMA_ROWS and model.context.used_cells() == 0
+        assert len(model._free_seqs) == LLAMA_ROWS and model.held_cells() == 0
+        # what the prompt cache keeps of finished rows is their tokens' cells, no more
+        assert all(model.context.used_cells([seq]) == len(held) for seq, (_, held) in model._kept.items())
+        assert model.context.used_cells() == sum(len(held) for _, held in model._kept.values())

@@ -62,6 +62,11 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                              "every row of any batch is bitwise llama.cpp's plain decoding); --no-llama-streams: one "
                              "KV memory of --llama-ctx tokens shared by all rows, admitted by need (the default "
                              "otherwise, as llama-server's slots)")
+    parser.add_argument("--no-llama-prompt-cache", dest="llama_prompt_cache", action="store_false", default=None,
+                        help="evaluate every prompt whole: by default, in one shared KV memory outside --bitwise, a "
+                             "finished row's cells stay until needed and a new prompt starts from the longest prefix "
+                             "an earlier or running request of its scope (serve: its API key) left, as llama-server's "
+                             "slots do (docs/llamacpp.md)")
     parser.add_argument("--llama-ctx", type=int, default=None, metavar="N",
                         help="llama.cpp's KV memory in tokens: shared by all rows (default 8192 when several rows "
                              "run, else 4096), or with --llama-streams each row's (default 4096, or 65536 shared out "

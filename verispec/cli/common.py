@@ -45,14 +45,16 @@ def load_options(args: argparse.Namespace) -> dict:
 
 
 def llama_settings(args: argparse.Namespace):
-    """``LlamaSettings`` from ``--bitwise``, ``--llama-threads``, ``--llama-ctx``, ``--llama-streams`` / ``--no-llama-streams``
-    and the most rows the command decodes at once (a KV stream per row, and llama.cpp's logits buffer, are sized by
-    it): ``llama_rows`` (one, for ``generate`` and ``demo``), else ``--max-batch-size`` (``serve``), else
-    ``--batch-size`` (``batch``); None when the command says none of these (the backend's defaults)."""
+    """``LlamaSettings`` from ``--bitwise``, ``--llama-threads``, ``--llama-ctx``, ``--llama-streams`` /
+    ``--no-llama-streams``, ``--no-llama-prompt-cache`` and the most rows the command decodes at once (a KV stream
+    per row, and llama.cpp's logits buffer, are sized by it): ``llama_rows`` (one, for ``generate`` and ``demo``),
+    else ``--max-batch-size`` (``serve``), else ``--batch-size`` (``batch``); None when the command says none of
+    these (the backend's defaults)."""
     rows = next((value for value in (getattr(args, name, None) for name in ("llama_rows", "max_batch_size",
                                                                               "batch_size")) if value), None)
     chosen = {"n_threads": getattr(args, "llama_threads", None), "n_ctx": getattr(args, "llama_ctx", None),
               "n_seq_max": rows, "streams": getattr(args, "llama_streams", None),
+              "prompt_cache": getattr(args, "llama_prompt_cache", None),
               "bitwise": getattr(args, "bitwise", None) or None}
     chosen = {name: value for name, value in chosen.items() if value is not None}
     if not chosen:

@@ -119,8 +119,10 @@ class DecodeBatch:
             fresh = self.backend.new_cache()
             try:
                 fresh.reset(len(rows))
-                if fresh.prefill(prompts):
+                if fresh.prefill(prompts, [row.sampling.draft_scope for row in rows]):
                     self.stats.target_calls += 1
+                for row, reused in zip(rows, fresh.reused):  # a prompt cache's (llama.cpp's)
+                    row.record.cached_prompt_tokens = reused
                 if self.drafter is not None:
                     self._add_to_drafter(prompts, [row.sampling for row in rows])
             except BaseException:

@@ -24,7 +24,7 @@ the cache (a failed step's traceback, say). The llama.cpp backend's ``LlamaCache
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
@@ -88,6 +88,7 @@ class CachedLM:
     """
 
     opened = 0  # rows whose last forward took no pass (none here: llama.cpp's cache keeps a prompt's last logits)
+    reused: Sequence[int] = ()  # per row of the last prefill, prompt tokens held already (none: no prompt cache here)
     # Compact when the cache holds more than this many slots per valid slot of its fullest row.
     compact_ratio = 1.5
     compact_slack = 8  # ...plus this many, so short caches are not gathered every step
@@ -217,9 +218,10 @@ class CachedLM:
         self.slot_mask = torch.cat([self.slot_mask[:, :-width], self.slot_mask[:, -width:] & keep.to(self.device)],
                                    dim=1)
 
-    def prefill(self, prompts: list[list[int]]) -> bool:
+    def prefill(self, prompts: list[list[int]], scopes: Sequence[Hashable] | None = None) -> bool:
         """Fresh rows: append every prompt token but the last (which opens the row's first block), computing no
-        logits anyone reads. Returns whether the model ran."""
+        logits anyone reads. Returns whether the model ran. (``scopes``: whose cached prompts a row may start from;
+        a torch cache keeps none across batches.)"""
         ids, mask = left_pad([p[:-1] for p in prompts])  # [B, T-1]
         if ids.shape[1] == 0:
             return False

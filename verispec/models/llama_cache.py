@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Self
 
 import numpy as np
@@ -22,6 +22,8 @@ class _Tree:
     leaves: list[int]  # the branches' leaf columns, in that order
     sees: list[list[bool]]  # [n][n]: column i attends to column j (its ancestors and itself)
     positions: list[int]  # [n]: each column's position
+    ids: list[int]  # [n]: each column's token
+    root_column: int
 
 
 @dataclass
@@ -29,6 +31,7 @@ class _Row:
     seq: int
     length: int = 0  # positions in the memory
     opening: tuple[int, np.ndarray] | None = None  # (last prompt token, its logits [V]): in memory, not yet scored
+    tokens: list[int] = field(default_factory=list)  # what its cells hold, by position (a tree's: up to its root)
 
 
 class LlamaCache:
@@ -40,6 +43,7 @@ class LlamaCache:
         self.device = model.device
         self.rows: list[_Row] = []
         self.opened = 0  # rows whose last forward opened with logits kept from their prefill (no pass for them)
+        self.reused: list[int] = []  # per row of the last prefill: prompt tokens a prompt cache held already
         self._trees: dict[int, _Tree] = {}  # row index -> its draft tree of the last pass, until ``drop``
 
     @property
@@ -72,26 +76,33 @@ class LlamaCache:
             return None
         with self.model.lock:
             context = self.model.context
-            free = context.cells - context.used_cells() + sum(row.opening is not None for row in self.rows)
+            free = context.cells - self.model.held_cells() + sum(row.opening is not None for row in self.rows)
             return Room(free, context.full_memory())
 
-    def prefill(self, prompts: list[list[int]]) -> bool:
+    def prefill(self, prompts: list[list[int]], scopes: Sequence[Hashable] | None = None) -> bool:
         """Fresh rows: evaluate each whole prompt as llama.cpp's generation loop does (one row per call,
         ``n_batch`` tokens at a time). The last token's logits are kept for the row's first scoring pass, which
-        opens with that token (the ``CachedLM`` contract appends every token but the last here). If a call
-        fails, every row of this prefill is fresh again."""
+        opens with that token (the ``CachedLM`` contract appends every token but the last here). Under the
+        model's prompt cache a row starts from the longest prefix of its prompt that an earlier or running row of
+        its scope (``scopes[b]``, e.g. a tenant; None: one scope) holds, and evaluates the rest
+        (``reused[b]``: the prefix's length). If a call fails, every row of this prefill is fresh again."""
+        scopes = list(scopes) if scopes is not None else [None] * len(prompts)
+        self.reused = [0] * len(prompts)
         with self.model.lock:
             try:
-                for row, prompt in zip(self.rows, prompts):
+                for b, (row, prompt) in enumerate(zip(self.rows, prompts)):
                     if row.length or row.opening is not None:
                         raise RuntimeError("prefill is for fresh rows only")
                     if len(prompt) > 1:
-                        logits = self.model.context.prompt_logits(prompt, row.seq)
-                        row.length, row.opening = len(prompt) - 1, (prompt[-1], logits)
+                        row.seq, start = self.model._start(row.seq, prompt, scopes[b], row.tokens)
+                        logits = self.model.context.prompt_logits(prompt[start:], row.seq, start)
+                        row.length, row.opening, self.reused[b] = len(prompt) - 1, (prompt[-1], logits), start
+                        row.tokens[:] = prompt
             except BaseException:
                 for row in self.rows:
                     self.model.context.remove(row.seq, -1, -1)
                     row.length, row.opening = 0, None
+                    row.tokens.clear()
                 raise
         return any(len(p) > 1 for p in prompts)
 
@@ -138,6 +149,8 @@ class LlamaCache:
                         if row.length >= limit:  # a row scores at most its budget: the rest is the block's filler
                             break
                         work.append((b, j, ids[b][j], row.length))
+                        if len(row.tokens) == row.length:  # else a failed tree pass left them short: a prefix
+                            row.tokens.append(ids[b][j])
                         row.length += 1
                 step = min(self.model.pass_cap or context.capacity, context.capacity)
                 for start in range(0, len(work), step):
@@ -175,7 +188,9 @@ class LlamaCache:
                         raise ValueError(f"row {b}'s draft tree has {len(leaves)} branches; this model scores at most "
                                          f"{self.model.tree_branches}")
                     seqs = [row.seq] + self.model._acquire_branches(len(leaves) - 1)
-                    self._trees[b] = _Tree(positions[b][columns[0]], seqs, leaves, sees[b], positions[b])
+                    self._trees[b] = _Tree(positions[b][columns[0]], seqs, leaves, sees[b], positions[b], ids[b],
+                                         columns[0])
+                    del row.tokens[positions[b][columns[0]]:]  # past the root: known once ``drop`` keeps a path
                     end = max(positions[b][j] for j in columns) + 1  # the row's positions after the pass
                     if row.opening is not None:  # the root is in memory already, in the row's sequence only
                         token, opening_logits = row.opening
@@ -224,6 +239,10 @@ class LlamaCache:
                 else:
                     context.remove(self.rows[b].seq, tree.root + 1, -1)
                     self.rows[b].length = tree.root + 1
+                tokens = self.rows[b].tokens
+                if len(tokens) == tree.root:  # the root and the path kept, in position order
+                    tokens += [tree.ids[tree.root_column]] + [tree.ids[j] for j in
+                                                              sorted(path, key=tree.positions.__getitem__)]
             self._return_branches()
 
     def _return_branches(self) -> None:
@@ -239,6 +258,7 @@ class LlamaCache:
         for row, (length, opening) in zip(self.rows, before):
             self.model.context.remove(row.seq, length + (opening is not None), -1)
             row.length, row.opening = length, opening
+            del row.tokens[length + (opening is not None):]
 
     def rollback(self, lengths: Sequence[int]) -> None:
         """Row b keeps its first ``lengths[b]`` positions (at most what it holds): the rest leave the memory
@@ -255,6 +275,7 @@ class LlamaCache:
                 if n < row.length:
                     self.model.context.remove(row.seq, n, -1)
                     row.length, row.opening = n, None
+                    del row.tokens[n:]
 
     def select_rows(self, rows: torch.Tensor | list[int]) -> None:
         """Keep only ``rows`` (indices into the batch); the others' sequences are freed."""

@@ -17,7 +17,7 @@ llama-cpp-python is imported only when a context is made, so this module imports
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +94,7 @@ class LlamaSettings:
     trees: bool = True  # spare sequence ids for draft trees' branches (``branch_seqs``); a draft scores none
     bitwise: bool = False
     streams: bool | None = None
+    prompt_cache: bool = True  # a finished row's cells stay for a later prompt with its prefix (``caches_prompts``)
 
     def threads(self) -> int:
         return self.n_threads or len(os.sched_getaffinity(0))
@@ -111,6 +112,13 @@ class LlamaSettings:
         if not self.per_row_streams():
             return DEFAULT_ROW_CTX * (2 if self.n_seq_max > 1 else 1)
         return max(256, min(DEFAULT_ROW_CTX, KV_BUDGET // self.n_seq_max // 256 * 256))
+
+    def caches_prompts(self) -> bool:
+        """Whether a new row starts from the cells of an earlier or running row whose tokens begin as its prompt does
+        (``LlamaModel``'s prompt cache, as llama-server's slots keep theirs): asked for, in one shared memory (cells
+        are shared between sequences there), and outside the bitwise mode (a prefix evaluated inside another
+        prompt's passes rounds as those passes did)."""
+        return self.prompt_cache and not self.per_row_streams() and not self.bitwise
 
     def kv_cells(self) -> int:
         """The KV memory's cells in all (a stream per row: ``row_ctx`` each)."""
@@ -164,6 +172,8 @@ class _Context:
         self.n_seq_max, self.unified = n_seq_max, unified
         self.cells = int(lib.llama_n_ctx_seq(self.ctx))  # KV cells of the memory (of each row's stream, unified off)
         self.n_ctx = s.row_ctx()
+        # Called when a call finds no cells; True when it freed some (cells a prompt cache kept): the call is retried.
+        self.on_full: Callable[[], bool] | None = None
 
     def full_memory(self) -> str:
         """What the memory holds, for the error that says it is full."""
@@ -171,10 +181,12 @@ class _Context:
             return f"llama.cpp's KV memory ({self.cells} cells for n_ctx={self.n_ctx}, shared by every row in flight)"
         return f"llama.cpp's KV memory ({self.cells} cells per row's stream, n_ctx={self.n_ctx})"
 
-    def used_cells(self) -> int:
-        """Cells holding a token, over all sequences (a sequence holds positions 0..max, one cell each)."""
+    def used_cells(self, seqs: Iterable[int] | None = None) -> int:
+        """Cells holding a token of ``seqs`` (None: every row's sequence): a sequence holds positions 0..max, one
+        cell each (cells two sequences share count twice)."""
         lib = _lib()
-        return sum(int(lib.llama_memory_seq_pos_max(self.memory, seq)) + 1 for seq in range(self.n_seq_max))
+        seqs = range(self.n_seq_max) if seqs is None else seqs
+        return sum(int(lib.llama_memory_seq_pos_max(self.memory, seq)) + 1 for seq in seqs)
 
     def close(self) -> None:
         lib = _lib()
@@ -200,6 +212,8 @@ class _Context:
                 batch.seq_id[i][j] = seq
         batch.n_tokens = n
         status = lib.llama_decode(self.ctx, batch)
+        while status == 1 and self.on_full is not None and self.on_full():
+            status = lib.llama_decode(self.ctx, batch)
         if status == 1:
             raise CacheFullError(f"{self.full_memory()} is full: send fewer rows or tokens at once, or load with a "
                                  "larger n_ctx")

@@ -28,7 +28,10 @@ Exactness (``llama_context``: the binding's settings, contexts and the regime pr
 
 A prompt is evaluated as llama.cpp's own generation loop evaluates it: the whole prompt of one row in one call
 (``n_batch`` tokens at a time), so its cache is the one ``greedy_reference`` (llama.cpp's plain greedy loop)
-builds.
+builds. The prompt cache (``LlamaSettings.caches_prompts``: one shared memory, outside the bitwise mode) skips the
+prefix an earlier or running row of the same scope holds: a finished row's cells stay (``_kept``) until a prompt
+starts as they do (``_start`` shares them: a cell may belong to several sequence ids) or a call finds the memory
+full (``_evict``, the oldest first), as llama-server's slots keep theirs.
 
 A draft model may run here too (``load_llama_draft``): in the default mode with weight repacking on, llama.cpp's
 fast defaults, since the target verifies every token it proposes.
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -98,6 +101,12 @@ class LlamaModel:
             s = self.settings
             self.context = _Context(self, s.kv_cells(), s.n_seq_max, not s.per_row_streams(), s.branch_seqs())
             self._free_seqs = list(range(self.settings.n_seq_max - 1, -1, -1))  # a stack, lowest id on top
+            # The prompt cache (``caches_prompts``): free sequences whose cells still hold a finished row's tokens,
+            # oldest first, and the rows running, each as (its scope, its tokens: what its cells hold, in order).
+            self._kept: dict[int, tuple[Hashable, list[int]]] = {}
+            self._live: dict[int, tuple[Hashable, list[int]]] = {}
+            if s.caches_prompts():
+                self.context.on_full = self._evict
             self._free_branches = list(range(s.n_seq_max, s.n_seq_max + s.branch_seqs()))  # trees' extra branches
             self.regime = probe_regime(self) if probe and s.bitwise else None
             self._pass_cost: PassCostCurve | None = None
@@ -196,9 +205,18 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ sequence ids
     def _acquire(self, count: int) -> list[int]:
-        return self._take(self._free_seqs, count, f"the llama.cpp context holds at most {self.settings.n_seq_max} "
-                          "rows at once", "; load with a larger n_seq_max (the command line: --max-batch-size when "
-                          "serving, --batch-size for a batch job)")
+        """Free row sequences holding nothing: those a prompt cache keeps nothing in first, then the oldest kept
+        ones, emptied."""
+        with self.lock:
+            self._free_seqs.sort(key=lambda seq: (seq not in self._kept, -list(self._kept).index(seq)
+                                                  if seq in self._kept else -seq))
+            seqs = self._take(self._free_seqs, count, f"the llama.cpp context holds at most "
+                              f"{self.settings.n_seq_max} rows at once", "; load with a larger n_seq_max (the "
+                              "command line: --max-batch-size when serving, --batch-size for a batch job)")
+            for seq in seqs:
+                if self._kept.pop(seq, None) is not None:
+                    self.context.remove(seq, -1, -1)
+            return seqs
 
     def _acquire_branches(self, count: int) -> list[int]:
         return self._take(self._free_branches, count, "spare sequence ids for draft tree branches run short")
@@ -210,14 +228,79 @@ class LlamaModel:
             return [pool.pop() for _ in range(count)]
 
     def _release(self, seqs: Sequence[int]) -> None:
-        """Rows' and branches' sequence ids leave the memory and go back to their pools (branch ids follow the
-        rows': ``n_seq_max`` and above)."""
+        """Rows' and branches' sequence ids go back to their pools (branch ids follow the rows': ``n_seq_max`` and
+        above) and leave the memory, except a running row's cells under a prompt cache: they stay (``_kept``) until
+        a later prompt starts as they do or the memory needs them (``_evict``)."""
         with self.lock:
             for seq in seqs:
+                live = self._live.pop(seq, None)
                 if self.context is not None:
-                    self.context.remove(seq, -1, -1)
+                    if live is not None and live[1]:
+                        self.context.remove(seq, len(live[1]), -1)  # what the tokens do not say is dropped
+                        self._kept[seq] = (live[0], list(live[1]))
+                    else:
+                        self.context.remove(seq, -1, -1)
                 (self._free_seqs if seq < self.settings.n_seq_max else self._free_branches).append(seq)
             self._free_seqs.sort(reverse=True)
+
+    # ------------------------------------------------------------------ the prompt cache
+    def _start(self, seq: int, prompt: Sequence[int], scope: Hashable, tokens: list[int]) -> tuple[int, int]:
+        """A fresh row on ``seq`` (just acquired, empty) about to evaluate ``prompt``: under a prompt cache, its
+        sequence starts with the longest prefix of the prompt (all but its last token, whose logits the row needs)
+        that a kept sequence or a running row of the same ``scope`` holds. Those cells are shared (one memory: no
+        copy), so the source keeps the rest of its own; a kept sequence that holds no more than the prefix is taken
+        over instead (``seq`` goes back free). ``tokens`` (the row's list, kept current by its cache) is registered
+        as the row's. Returns (the row's sequence, positions it holds already)."""
+        with self.lock:
+            best, start = None, 0
+            if self.settings.caches_prompts():
+                limit = len(prompt) - 1
+                for source, (owner, held) in [*self._kept.items(), *self._live.items()]:
+                    if owner == scope:
+                        n = _common_prefix(held, prompt, limit)
+                        if n > start:
+                            best, start = source, n
+            if best in self._kept and len(self._kept[best][1]) <= start:  # nothing of it is lost: taken over
+                del self._kept[best]
+                self._free_seqs.remove(best)
+                self.context.remove(best, start, -1)
+                self._free_seqs.append(seq)
+                self._free_seqs.sort(reverse=True)
+                seq = best
+            elif best is not None:
+                self.context.share(best, seq, 0, start)
+            if self.settings.caches_prompts():
+                self._live[seq] = (scope, tokens)
+            return seq, start
+
+    def _evict(self) -> bool:
+        """The memory is full: the oldest kept sequence leaves it (True), or there is none (False)."""
+        with self.lock:
+            if not self._kept:
+                return False
+            seq = next(iter(self._kept))
+            del self._kept[seq]
+            self.context.remove(seq, -1, -1)
+            return True
+
+    def clear_prompt_cache(self) -> None:
+        """Every kept sequence leaves the memory (a benchmark's cold start; rows running keep theirs)."""
+        while self._evict():
+            pass
+
+    def held_cells(self) -> int:
+        """Cells the running rows hold (a kept sequence's are free to take; cells rows share count twice)."""
+        free = set(self._free_seqs)
+        return self.context.used_cells(seq for seq in range(self.settings.n_seq_max) if seq not in free)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """How many leading tokens ``a`` and ``b`` share, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def load_llama(path: str | os.PathLike, settings: LlamaSettings | None = None,

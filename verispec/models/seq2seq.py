@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -180,7 +180,7 @@ class Seq2SeqLM(CachedLM):
         self.has_source = torch.ones(len(prompts), dtype=torch.bool)
         self.cross = DynamicCache(config=self.model.config)
 
-    def prefill(self, prompts: list[list[int]]) -> bool:
+    def prefill(self, prompts: list[list[int]], scopes: Sequence[Hashable] | None = None) -> bool:
         """Encode the rows' sources, then append their decoder prompt tokens but the last (usually none)."""
         self.encode(prompts)
         ids, mask = left_pad([p[:-1] for p in prompts])  # [B, T-1]

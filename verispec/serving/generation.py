@@ -32,6 +32,7 @@ from .responses import (
     CompletionResponse,
     FunctionCall,
     FunctionCallDelta,
+    PromptTokensDetails,
     Telemetry,
     TokenProvenance,
     TokenStream,
@@ -265,7 +266,10 @@ class Generation:
     def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.params.prompts)
         completion = sum(c.state.num_tokens for c in self.choices)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        cached = sum(min(c.record.cached_prompt_tokens for c in self.choices if c.prompt_index == p)
+                     for p in range(len(self.params.prompts)))
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
     def telemetry(self) -> Telemetry:
         """The ``verispec`` extension: speculative telemetry summed over the choices, and each choice's."""

@@ -11,8 +11,8 @@ Each replica loads the models itself (``verispec.load``, on its node) and runs t
   to whichever replica has room, a replacement included when one dies. A request already on a replica that dies
   ends with it (a stream breaks; a request still waiting for its response gets a 5xx, which the ``openai``
   client retries by itself).
-- **Routing.** Not prefix-aware: verispec keeps no KV cache across requests (every request prefills its own), so
-  sending a conversation's turns to one replica would save nothing.
+- **Routing.** Not prefix-aware: on the llama.cpp backend each replica keeps its own prompt cache
+  (``models/llamacpp.py``), which a conversation's next turn finds only on the replica that served the last.
 - **Metrics.** ``/metrics`` answers for the replica that serves the scrape. Across replicas, each replica mirrors
   its engine's counters into Ray's metrics (``ray.serve.metrics``, tagged by deployment and replica), which Ray
   exports in Prometheus format on each node's metrics export port: sum them by replica there.

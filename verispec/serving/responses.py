@@ -18,11 +18,17 @@ Logprob = Annotated[float, AfterValidator(lambda value: max(LOWEST_LOGPROB, valu
 _OMITTED_IF_NONE = {"default": None, "exclude_if": lambda value: value is None}
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens the target's prompt cache held already, so not evaluated "
+                                           "again (llama.cpp; per prompt, its choices' fewest).")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int = Field(description="Tokens the returned text needs (EOS included; not past a stop "
                                                "string).")
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails(cached_tokens=0)
 
 
 class SpeculativeStats(BaseModel):
