@@ -957,3 +957,24 @@ def test_on_two_threads_only_streams_keep_a_batched_row_bitwise(tiny_gguf, strea
     finally:
         model.close()
     assert torch.equal(alone, batched) == streams
+
+
+def test_every_kernel_call_runs_on_one_thread() -> None:
+    """ggml's OpenMP team belongs to the thread that calls in, and two teams on two cores make every barrier sleep
+    (``_KernelThread``): calls from the main thread and from another (a server's engine) run on the same thread, and
+    a call made on it runs at once instead of waiting for itself."""
+    import threading
+
+    from verispec.models.llama_context import _KernelThread
+
+    seen: list[int] = []
+
+    def where() -> int:
+        seen.append(threading.get_ident())
+        return _KernelThread.run(threading.get_ident)  # nested: runs inline
+
+    results = [_KernelThread.run(where)]
+    other = threading.Thread(target=lambda: results.append(_KernelThread.run(where)))
+    other.start()
+    other.join()
+    assert len(set(seen)) == 1 and results == seen and seen[0] not in (threading.get_ident(), other.ident)

@@ -55,8 +55,8 @@ from ..acquire import Progress, say
 from .backend import BITWISE, IN_DISTRIBUTION
 from .llama_cache import LlamaCache
 from .pass_cost import PassCostCurve, measure_curve
-from .llama_context import (LLAMA_CPP_MISSING, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime,
-                            _Context, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
+from .llama_context import (LLAMA_CPP_MISSING, PROBE_DEPTHS, PROBE_MAX_ROWS, LlamaSettings, Regime, _Context,
+                            _KernelThread, _largest_invariant_pass, _lib, greedy_reference, llama_cpp_unavailable,
                             probe_regime)
 
 __all__ = ["LLAMA_CPP_MISSING", "PROBE_DEPTHS", "PROBE_MAX_ROWS", "LlamaCache", "LlamaModel",
@@ -89,7 +89,7 @@ class LlamaModel:
         params.use_extra_bufts = self.settings.repack
         self.lock = threading.RLock()  # one context: passes and memory edits of all batches take turns
         self.context: _Context | None = None
-        self.model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        self.model = _KernelThread.run(lib.llama_model_load_from_file, str(self.path).encode(), params)  # repacks
         if not self.model:
             raise ValueError(f"llama.cpp could not load {self.path} (not a GGUF model it supports)")
         try:  # what is loaded is freed again if the rest fails: nothing frees it later
