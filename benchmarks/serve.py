@@ -153,7 +153,10 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
 
 async def run_level(url: str, prompts: list[str], clients: int, per_client: int, max_tokens: int) -> dict:
     async def client_loop(i: int) -> list[dict]:
-        async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        # A connection per request: llama-server may close a connection after a streamed response, and a client
+        # that reuses it then reads "Server disconnected without sending a response" (seen at 1 client).
+        async with httpx.AsyncClient(base_url=url, timeout=None,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as client:
             return [await one_request(client, prompts[(i + j) % len(prompts)], max_tokens) for j in range(per_client)]
 
     start = time.perf_counter()

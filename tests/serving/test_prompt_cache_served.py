@@ -34,6 +34,7 @@ def served(tiny_gguf):
     engine.start()
     server = LiveServer(create_app(engine, tokenizer, "tiny", max_context=512, eos_token_ids=[tiny_llama.EOS],
                                    options=ServerOptions(api_keys=KEYS)))
+    server.engine = engine
     yield server
     server.close()
     engine.shutdown()
@@ -70,3 +71,5 @@ def test_a_repeated_prompt_is_evaluated_once_per_api_key(served) -> None:
     assert metrics["verispec_cached_prompt_tokens_total"] == cached + cached_choices
     assert metrics["verispec_prompt_tokens_total"] == sum(
         usage["prompt_tokens"] for usage in (first, again, other, longer)) + 3 * fresh["prompt_tokens"]
+    # a finished request's cells are free and its rows forgotten (they hold its callbacks: nothing outlives it)
+    assert not served.engine._memory.held

@@ -121,9 +121,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     common = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "eos_token_id": eos}
     _label("prompt")
     print(prompt, end="" if prompt.endswith("\n") else "\n", flush=True)
-    if not args.calibrate:  # calibration at load ran both models already: their first passes are behind them
-        log("warm-up pass")
-        decoder.generate([prompt_ids], max_new_tokens=4, draft=None)
+    # A warm-up pass: the first pass of a shape is slow, and on llama.cpp the prompt cache then holds the prompt,
+    # so both timed runs start from it (else the second would skip the prefill the first paid for).
+    log("warm-up pass")
+    decoder.generate([prompt_ids], max_new_tokens=4, draft=None)
     _label("plain loop (target alone, greedy)")
     alone, _ = generate_streamed(decoder, tokenizer, prompt_ids, sys.stdout, draft=None, **common)
     print()

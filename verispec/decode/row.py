@@ -126,6 +126,11 @@ class Reservation:
         if self.cells is not None:
             self.held[id(row)] = (row, self.need(row))
 
+    def release(self, row: Row) -> None:
+        """``row`` ended: its cells are free, and the reservation no longer refers to it (a finished request's
+        row holds its client's callbacks)."""
+        self.held.pop(id(row), None)
+
     def take(self, waiting: list[Row]) -> list[Row]:
         """The rows at the front of ``waiting`` that fit now, in order (removed from it and admitted)."""
         taken = []

@@ -374,6 +374,7 @@ class Engine:
         pending = self._open.pop(row.key, None)
         if pending is None:  # already reported
             return
+        self._memory.release(row)
         if pending.joined:
             pending.joined = False
             self._group_rows[pending.group] -= 1
