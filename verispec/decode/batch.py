@@ -212,8 +212,10 @@ class DecodeBatch:
         logits held NaN or inf (zeroed first, so verification never emits an out-of-range id), and the processed
         target logits ``[B, k+1, V]`` of the emitted tokens' positions, in order (what logprobs are read from)."""
         k = proposal.draft_ids.shape[1]
-        finite = torch.isfinite(target_logits).all(dim=-1)  # [B, k+1]
-        target_logits = torch.where(finite[..., None], target_logits, 0.0)
+        finite = torch.isfinite(target_logits.sum(dim=-1))  # [B, k+1]: one pass, no copy (a vocabulary per column)
+        if not bool(finite.all()):  # a NaN or inf somewhere (or a sum that overflowed): found exactly, zeroed
+            finite = torch.isfinite(target_logits).all(dim=-1)
+            target_logits = torch.where(finite[..., None], target_logits, 0.0)
         params, prompts, outputs = [row.sampling for row in self.rows], [row.prompt for row in self.rows], \
             [row.output for row in self.rows]
         # Penalties, bias and min_tokens per position: position i sees the drafts before it (filler unseen); in a
