@@ -126,9 +126,9 @@ def test_four_rows_are_scored_in_one_llama_decode_call_per_step(tiny_gguf) -> No
         context, calls = model.context, []
         original = context.decode
 
-        def counted(tokens, *args):
+        def counted(tokens, *args, **options):
             calls.append(len(tokens))
-            return original(tokens, *args)
+            return original(tokens, *args, **options)
 
         context.decode = counted
         decoder = SpeculativeDecoder(model, drafter=NGramDrafter(), num_draft_tokens=4)

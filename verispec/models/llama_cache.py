@@ -126,7 +126,9 @@ class LlamaCache:
         n = len(ids[0]) if ids else 0
         limit = self.model.max_positions  # a row's last cell; past it only filler columns (zero logits, not stored)
         first_out = n - min(num_logits, n) if num_logits else 0  # the first column whose logits are returned
-        logits = np.zeros((len(self.rows), n - first_out, self.model.n_vocab), dtype=np.float32)  # [B, n', V]
+        # [B, n', V], written once: each column llama.cpp scores is copied from its buffer, the rest zeroed at the end
+        logits = np.empty((len(self.rows), n - first_out, self.model.n_vocab), dtype=np.float32)
+        written = np.zeros(logits.shape[:2], dtype=bool)  # [B, n']
         work: list[tuple[int, int, int, int]] = []  # (row, column, token, position) of the scoring passes
         with self.model.lock:
             context = self.model.context
@@ -143,6 +145,7 @@ class LlamaCache:
                                              f"but its prompt ends with {token}")
                         if first >= first_out:
                             logits[b, first - first_out] = opening_logits
+                            written[b, first - first_out] = True
                         row.opening = None
                         row.length += 1
                     for j in columns:
@@ -157,12 +160,16 @@ class LlamaCache:
                     chunk = work[start:start + step]
                     outputs = [j >= first_out for _, j, _, _ in chunk]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
-                                         [self.rows[w[0]].seq for w in chunk], outputs)
-                    for (b, j, _, _), row_logits in zip([w for w, kept in zip(chunk, outputs) if kept], out):
-                        logits[b, j - first_out] = row_logits
+                                         [self.rows[w[0]].seq for w in chunk], outputs, copy=False)
+                    kept = [(b, j - first_out) for (b, j, _, _), scored in zip(chunk, outputs) if scored]
+                    if kept:
+                        rows, columns = zip(*kept)
+                        logits[rows, columns] = out  # one copy out of llama.cpp's buffer
+                        written[rows, columns] = True
             except BaseException:
                 self._restore(before)
                 raise
+        logits[~written] = 0.0  # masked columns and filler past a row's last cell
         return torch.from_numpy(logits)
 
     def _forward_tree(self, input_ids: torch.Tensor, input_mask: torch.Tensor, position_ids: torch.Tensor,

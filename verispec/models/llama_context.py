@@ -229,8 +229,10 @@ class _Context:
             self.ctx = None
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int | Sequence[int]],
-               outputs: Sequence[bool]) -> np.ndarray:
-        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order; ``seqs[i]``: the token's
+               outputs: Sequence[bool], copy: bool = True) -> np.ndarray:
+        """One ``llama_decode`` call: logits ``[number of outputs, V]`` in token order (``copy=False``: a view of
+        llama.cpp's buffer, valid until the next call: a caller that copies them anyway saves a copy of up to
+        ``n_batch`` vocabularies); ``seqs[i]``: the token's
         sequence, or sequences (a tree node: one per branch through it; it attends to the cells of the first).
         ``CacheFullError`` when the memory has no cells for the tokens (llama.cpp then restores the memory as it
         was); ``RuntimeError`` for any other failure (the ubatches processed before it stay in the memory: the
@@ -255,8 +257,8 @@ class _Context:
         count = sum(map(bool, outputs))
         if count == 0:
             return np.zeros((0, self.n_vocab), dtype=np.float32)
-        pointer = lib.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(pointer, shape=(count, self.n_vocab)).copy()
+        view = np.ctypeslib.as_array(lib.llama_get_logits(self.ctx), shape=(count, self.n_vocab))
+        return view.copy() if copy else view
 
     def remove(self, seq: int, start: int, end: int = -1) -> None:
         """Drop positions ``[start, end)`` of ``seq`` (``-1``: open-ended)."""
@@ -276,8 +278,8 @@ class _Context:
             last = start + len(chunk) == len(tokens)
             outputs = [last and i == len(chunk) - 1 for i in range(len(chunk))]
             logits = self.decode(chunk, range(first_position + start, first_position + start + len(chunk)),
-                                 [seq] * len(chunk), outputs)
-        return logits[-1]
+                                 [seq] * len(chunk), outputs, copy=False)
+        return logits[-1].copy()
 
 
 def _largest_invariant_pass(context: _Context, seq: int, depth: int, block: Sequence[int]) -> tuple[int, list[float]]:
