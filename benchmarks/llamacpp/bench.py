@@ -131,6 +131,7 @@ def run_verispec(args) -> dict:
     base.generate([warm], max_new_tokens=8, eos_token_id=eos)
     for decoder in decoders.values():
         decoder.generate([warm], max_new_tokens=8, eos_token_id=eos)
+    lengths = {int(k): v for k, v in json.loads(args.lengths).items()} if args.lengths else None
     for repeat in range(args.repeats):
         for decoder in decoders.values():  # suffix trees: earlier responses of this repeat only, never the same
             drafter = decoder.drafter      # prompt's own answer from an earlier repeat
@@ -140,6 +141,20 @@ def run_verispec(args) -> dict:
                 drafter.trees = ResponseTrees(drafter.trees.cache_size, drafter.settings.max_depth)
         for index, prompt in enumerate(prompts):
             ids = tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+            if lengths is not None:  # the second run: each drafter at each length llama.cpp's types decoded
+                for tokens in lengths.get(index, []):
+                    record = {"prompt": index, "kind": prompt["kind"], "repeat": repeat, "prompt_tokens": len(ids),
+                              "max_new_tokens": tokens}
+                    for name, decoder in decoders.items():
+                        t0 = time.perf_counter()
+                        out = decoder.generate([ids], max_new_tokens=tokens, eos_token_id=eos)
+                        record[f"vs_{name}"] = {"tokens": len(out.tokens[0]), "seconds": time.perf_counter() - t0,
+                                                "prefill_seconds": out.stats.prefill_time_s}
+                    log(f"verispec at {tokens} tokens, repeat {repeat} prompt {index}: "
+                        + ", ".join(f"{k} {decode_rate(v):.1f} tok/s" for k, v in record.items()
+                                    if isinstance(v, dict)))
+                    records.append(record)
+                continue
             record = {"prompt": index, "kind": prompt["kind"], "repeat": repeat, "prompt_tokens": len(ids)}
             t0 = time.perf_counter()
             alone = base.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos)
@@ -238,6 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", default="auto", type=lambda v: v if v in ("auto", "heuristic") else int(v),
                         help="the drafters' decoders: 'auto' (the speculation controller) or a fixed length")
     parser.add_argument("--verispec-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", default=None, help=argparse.SUPPRESS)  # the child's second run (below)
+    parser.add_argument("--equal-length", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time verispec's drafters at the number of tokens each of llama.cpp's speculative "
+                             "types decoded (llama-speculative-simple runs past -n when a draft is kept: the copied "
+                             "tail is its fastest part), and compare at equal lengths")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--torch-dtype", default=None, help=argparse.SUPPRESS)  # the child's backend (below)
     parser.add_argument("--torch-alternative", default=None, metavar="DTYPE",
@@ -283,6 +303,20 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"llama-speculative-simple {spec_type} prompt {index}: {entry[spec_type]['tok_s']} tok/s")
             results["llama"].append(entry)
             args.out.write_text(json.dumps(results, indent=1))  # what ran so far, if the rest is cut off
+    if not args.skip_llama and args.equal_length:
+        lengths = {entry["prompt"]: sorted({entry[t]["decoded"] for t in args.spec_types if t != "draft-simple"
+                                            and entry.get(t, {}).get("decoded")
+                                            and entry[t]["decoded"] != args.max_new_tokens})
+                   for entry in results["llama"]}
+        lengths = {k: v for k, v in lengths.items() if v}
+        if lengths:
+            part = args.out.with_suffix(".lengths.json")
+            child = [sys.executable, __file__, "--verispec-only", "--lengths", json.dumps(lengths), "--out",
+                     str(part)] + [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--out", str(args.out))]
+            log(f"verispec at llama.cpp's lengths {lengths} (child process)")
+            output, _, _ = run_tool(child, 3600)
+            sys.stderr.write(output[-2000:])
+            results["verispec_at_length"] = json.loads(part.read_text())["records"]
     results["summary"] = summarise(results)
     args.out.write_text(json.dumps(results, indent=1))
     args.out.with_suffix(".md").write_text(markdown(results))
@@ -319,6 +353,15 @@ def markdown(results: dict) -> str:
         lines.append(f"| {index} | {row['kind']} | {row['prompt_tokens']} | "
                      + " | ".join(f"{row.get(k, '-')}" for k in [*theirs, *ours])
                      + f" | {r_plain and round(r_plain, 2)} | {r_best and round(r_best, 2)} | {same} |")
+    fair_lines, fair_ratios = [], []
+    for index, row in rows.items():
+        fair = row.get("at_llama_length")
+        if fair and row["kind"] == "repetitive":
+            worst = min(v["ratio"] for v in fair.values())  # against llama.cpp's best type at its own length
+            fair_ratios.append(worst)
+            fair_lines.append(f"| {index} | " + "; ".join(f"{t}: {v['tokens']} tokens, verispec {v['verispec_best']} "
+                                                         f"/ llama {v['llama']} = {v['ratio']:.2f}x"
+                                                         for t, v in fair.items()) + f" | {worst:.2f}x |")
     host = [1 - v["target_seconds"] / max(v["seconds"] - v["prefill_seconds"], 1e-9)
             for r in results["verispec"]["records"] for k, v in r.items() if isinstance(v, dict) and "target_seconds" in v]
     done = [x for x in ratios_plain if x]
@@ -327,6 +370,13 @@ def markdown(results: dict) -> str:
               f"{statistics.median([x for x in ratios_best if x] or [float('nan')]):.2f}x.",
               f"Host work (decoding time outside the target's passes), median over the speculative runs: "
               f"{100 * statistics.median(host or [float('nan')]):.1f}% of decoding.", ""]
+    if fair_lines:
+        lines += ["At equal lengths: `llama-speculative-simple` decodes past `-n` when its last draft is kept (the "
+                  "copied tail, its fastest part), so verispec's best drafter is timed again at the number of "
+                  "tokens each type decoded (median over repeats):", "",
+                  "| prompt | each type at its own length | best verispec / llama.cpp's best type |", "|---|---|---|",
+                  *fair_lines, "", f"Copy-edits at equal lengths: median best verispec / llama.cpp's best own "
+                  f"speculative type {statistics.median(fair_ratios):.2f}x.", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -357,6 +407,20 @@ def summarise(results: dict) -> dict:
         if isinstance(plain, float) and plain > 0:
             row["ratios_to_llama_plain"] = {k: round(v / plain, 3) for k, v in row.items()
                                             if isinstance(v, float) and k != "llama_plain"}
+    for entry in results["llama"]:  # verispec's best drafter at each type's own length, over that type
+        at_length = [r for r in results.get("verispec_at_length", []) if r["prompt"] == entry["prompt"]]
+        fair = {}
+        for spec_type, value in entry.items():
+            if not isinstance(value, dict) or not value.get("tok_s") or spec_type == "draft-simple":
+                continue
+            runs = [r for r in at_length if r["max_new_tokens"] == value.get("decoded")]
+            names = {k for r in runs for k in r if k.startswith("vs_")}
+            best = max((statistics.median(decode_rate(r[k]) for r in runs) for k in names), default=None)
+            if best is not None:
+                fair[spec_type] = {"tokens": value["decoded"], "verispec_best": round(best, 2),
+                                   "llama": value["tok_s"], "ratio": round(best / value["tok_s"], 3)}
+        if fair:
+            rows[entry["prompt"]]["at_llama_length"] = fair
     return {"per_prompt": rows, "verispec_rss_kb": results["verispec"]["rss_kb"],
             "verispec_torch_rss_kb": results.get("verispec_torch", {}).get("rss_kb"),
             "llama_rss_kb": {k: max((e[k]["rss_kb"] for e in results["llama"] if k in e), default=None)
