@@ -311,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         lengths = {k: v for k, v in lengths.items() if v}
         if lengths:
             part = args.out.with_suffix(".lengths.json")
+            given = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--out", str(args.out))]
             child = [sys.executable, __file__, "--verispec-only", "--lengths", json.dumps(lengths), "--out",
-                     str(part)] + [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--out", str(args.out))]
+                     str(part), *given]
             log(f"verispec at llama.cpp's lengths {lengths} (child process)")
             output, _, _ = run_tool(child, 3600)
             sys.stderr.write(output[-2000:])
