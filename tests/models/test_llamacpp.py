@@ -978,3 +978,20 @@ def test_every_kernel_call_runs_on_one_thread() -> None:
     other.start()
     other.join()
     assert len(set(seen)) == 1 and results == seen and seen[0] not in (threading.get_ident(), other.ident)
+
+    # A forked child has no such thread (only the forking one survives a fork): it starts its own instead of waiting
+    # forever on its parent's.
+    import os
+    import signal
+    import time
+
+    child = os.fork()
+    if child == 0:
+        os._exit(0 if _KernelThread.run(lambda: 7) == 7 else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the child's state with a deadline, not a fixed wait
+    if done[0] == 0:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+    assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0

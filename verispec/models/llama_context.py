@@ -67,6 +67,7 @@ class _KernelThread:
     at first use); a call made on it runs at once."""
 
     _executor: ThreadPoolExecutor | None = None
+    _pid = 0  # the process that started it: a forked child has no such thread and starts its own
     _local = threading.local()
     _start = threading.Lock()
 
@@ -75,8 +76,8 @@ class _KernelThread:
         if getattr(cls._local, "inside", False):
             return function(*args)
         with cls._start:
-            if cls._executor is None:
-                cls._executor = ThreadPoolExecutor(1, "verispec-llama", initializer=cls._mark)
+            if cls._executor is None or cls._pid != os.getpid():
+                cls._executor, cls._pid = ThreadPoolExecutor(1, "verispec-llama", initializer=cls._mark), os.getpid()
         return cls._executor.submit(function, *args).result()
 
     @classmethod
