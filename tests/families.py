@@ -13,12 +13,14 @@ which the slow test compares with what it finds, so the table cannot drift from 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
 import re
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -144,21 +146,36 @@ class NotBuilt(Exception):
 
 def build(family: str, seed: int = 0) -> transformers.PreTrainedModel:
     model_type, _ = VARIANTS.get(family, (family, {}))
-    try:
-        config = tiny_config(family)
+    with building():
+        config = tiny_config(family)  # first: its failure is the reason given
         model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
-        with torch.device("meta"):
-            size = sum(p.numel() for p in model_class(config).parameters())
-        if size > MAX_PARAMETERS:
-            raise NotBuilt(f"over {MAX_PARAMETERS // 10**6}M parameters at tiny sizes (vision / audio parts)")
-        torch.manual_seed(seed)  # model construction only; decoding never touches the global RNG
-        return model_class(config).eval()
+        return construct(model_class, config, seed, " (vision / audio parts)").eval()
+
+
+@contextlib.contextmanager
+def building() -> Iterator[None]:
+    """Building a family's tiny model (its config too): any failure but ``NotBuilt`` becomes ``NotBuilt`` with the
+    reason the family tables print."""
+    try:
+        yield
     except NotBuilt:
         raise
     except ImportError as err:
         raise NotBuilt("needs a package that is not installed", str(err).strip().splitlines()[0]) from err
     except Exception as err:
         raise NotBuilt("the generic tiny config does not fit it", f"{type(err).__name__}: {err}"[:200]) from err
+
+
+def construct(model_class: type, config: transformers.PretrainedConfig, seed: int,
+              parts: str = "") -> transformers.PreTrainedModel:
+    """``model_class(config)`` seeded with ``seed``, or ``NotBuilt`` over ``MAX_PARAMETERS`` (counted on the meta
+    device first; ``parts`` says what makes it large)."""
+    with torch.device("meta"):
+        size = sum(p.numel() for p in model_class(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise NotBuilt(f"over {MAX_PARAMETERS // 10**6}M parameters at tiny sizes{parts}")
+    torch.manual_seed(seed)  # model construction only; decoding never touches the global RNG
+    return model_class(config)
 
 
 def perturbed(model: transformers.PreTrainedModel, scale: float, seed: int = 1) -> transformers.PreTrainedModel:

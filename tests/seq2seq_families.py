@@ -123,22 +123,11 @@ def _tiny_parts(config_class, default) -> dict:
 def build(family: str, seed: int = 0) -> PreTrainedModel:
     """The family's seq2seq LM, tiny, random (``seed``), with a generation config that adds nothing verispec does
     not do (no forced BOS / EOS, no n-gram bans, no suppressed tokens): the decoder start token and padding only."""
-    try:
-        config = tiny_config(family)
+    with families.building():
+        config = tiny_config(family)  # first: its failure is the reason given
         model_class = getattr(transformers, MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES[family])
-        with torch.device("meta"):
-            size = sum(p.numel() for p in model_class(config).parameters())
-        if size > MAX_PARAMETERS:
-            raise NotBuilt(f"over {MAX_PARAMETERS // 10**6}M parameters at tiny sizes")
-        torch.manual_seed(seed)  # model construction only; decoding never touches the global RNG
         # N(0, GAIN^2 / fan_in): the tiny decoder's output depends on its source and history
-        model = spread(model_class(config), seed, GAIN)
-    except NotBuilt:
-        raise
-    except ImportError as err:
-        raise NotBuilt("needs a package that is not installed", str(err).strip().splitlines()[0]) from err
-    except Exception as err:
-        raise NotBuilt("the generic tiny config does not fit it", f"{type(err).__name__}: {err}"[:200]) from err
+        model = spread(families.construct(model_class, config, seed), seed, GAIN)
     start = getattr(model.generation_config, "decoder_start_token_id", None)
     if start is None:
         start = getattr(model.config, "decoder_start_token_id", None)
