@@ -34,6 +34,15 @@ class _Row:
     tokens: list[int] = field(default_factory=list)  # what its cells hold, by position (a tree's: up to its root)
 
 
+def _copy_out(logits: np.ndarray, written: np.ndarray, places: list[tuple[int, int]], out: np.ndarray) -> None:
+    """``out [m, V]`` (a view of llama.cpp's logits buffer, valid until its next call) into ``logits[b, j]`` for each
+    ``(b, j)`` of ``places``, in one copy, marking them ``written``."""
+    if places:
+        rows, columns = zip(*places)
+        logits[rows, columns] = out
+        written[rows, columns] = True
+
+
 class LlamaCache:
     """A batch's rows on a ``LlamaModel``: the ``CachedLM`` contract on llama.cpp's memory (see the module). Each
     row is one sequence id and its length; its owner closes it (``close()``, or ``with``) to give the ids back."""
@@ -161,11 +170,8 @@ class LlamaCache:
                     outputs = [j >= first_out for _, j, _, _ in chunk]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
                                          [self.rows[w[0]].seq for w in chunk], outputs, copy=False)
-                    kept = [(b, j - first_out) for (b, j, _, _), scored in zip(chunk, outputs) if scored]
-                    if kept:
-                        rows, columns = zip(*kept)
-                        logits[rows, columns] = out  # one copy out of llama.cpp's buffer
-                        written[rows, columns] = True
+                    _copy_out(logits, written, [(b, j - first_out) for (b, j, _, _), scored in zip(chunk, outputs)
+                                                if scored], out)
             except BaseException:
                 self._restore(before)
                 raise
@@ -177,7 +183,8 @@ class LlamaCache:
         ids, mask, positions, sees = input_ids.tolist(), input_mask.tolist(), position_ids.tolist(), among.tolist()
         n = len(ids[0]) if ids else 0
         limit = self.model.max_positions
-        logits = np.zeros((len(self.rows), n, self.model.n_vocab), dtype=np.float32)  # [B, n, V]
+        logits = np.empty((len(self.rows), n, self.model.n_vocab), dtype=np.float32)  # [B, n, V], as ``forward``'s
+        written = np.zeros(logits.shape[:2], dtype=bool)  # [B, n]
         work: list[tuple[int, int, int, int, tuple[int, ...]]] = []  # (row, column, token, position, sequences)
         with self.model.lock:
             context = self.model.context
@@ -204,7 +211,7 @@ class LlamaCache:
                         first = columns.pop(0)
                         if ids[b][first] != token:
                             raise ValueError(f"row {b} opens with token {ids[b][first]}, but its prompt ends with {token}")
-                        logits[b, first] = opening_logits
+                        logits[b, first], written[b, first] = opening_logits, True
                         row.opening = None
                     for seq in seqs[1:]:  # every branch sees the row's cells (its root too, if opened)
                         context.share(row.seq, seq)
@@ -216,13 +223,13 @@ class LlamaCache:
                 for start in range(0, len(work), step):
                     chunk = work[start:start + step]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk], [w[4] for w in chunk],
-                                         [True] * len(chunk))
-                    for (b, j, _, _, _), row_logits in zip(chunk, out):
-                        logits[b, j] = row_logits
+                                         [True] * len(chunk), copy=False)
+                    _copy_out(logits, written, [(b, j) for b, j, _, _, _ in chunk], out)
             except BaseException:
                 self._return_branches()
                 self._restore(before)
                 raise
+        logits[~written] = 0.0  # masked columns and columns past a row's last cell
         return torch.from_numpy(logits)
 
     def drop(self, keep: torch.Tensor) -> None:
