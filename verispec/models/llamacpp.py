@@ -208,8 +208,8 @@ class LlamaModel:
         """Free row sequences holding nothing: those a prompt cache keeps nothing in first, then the oldest kept
         ones, emptied."""
         with self.lock:
-            self._free_seqs.sort(key=lambda seq: (seq not in self._kept, -list(self._kept).index(seq)
-                                                  if seq in self._kept else -seq))
+            bare = sorted((seq for seq in self._free_seqs if seq not in self._kept), reverse=True)
+            self._free_seqs = [*reversed(self._kept), *bare]  # a stack: bare ids, lowest first, then the oldest kept
             seqs = self._take(self._free_seqs, count, f"the llama.cpp context holds at most "
                               f"{self.settings.n_seq_max} rows at once", "; load with a larger n_seq_max (the "
                               "command line: --max-batch-size when serving, --batch-size for a batch job)")
@@ -252,8 +252,8 @@ class LlamaModel:
         over instead (``seq`` goes back free). ``tokens`` (the row's list, kept current by its cache) is registered
         as the row's. Returns (the row's sequence, positions it holds already)."""
         with self.lock:
-            best, start = None, 0
-            if self.settings.caches_prompts():
+            best, start, caching = None, 0, self.settings.caches_prompts()
+            if caching:
                 limit = len(prompt) - 1
                 for source, (owner, held) in [*self._kept.items(), *self._live.items()]:
                     if owner == scope:
@@ -269,7 +269,7 @@ class LlamaModel:
                 seq = best
             elif best is not None:
                 self.context.share(best, seq, 0, start)
-            if self.settings.caches_prompts():
+            if caching:
                 self._live[seq] = (scope, tokens)
             return seq, start
 
