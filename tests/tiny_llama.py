@@ -107,3 +107,11 @@ def tiny_gguf(tmp_path_factory) -> tuple:
     path = tmp_path_factory.mktemp("llamacpp") / "tiny-llama.gguf"
     write_gguf(model, path)
     return path, model
+
+
+def kept_cells_match_their_tokens(model) -> None:
+    """A ``LlamaModel`` with no row running: no running row holds a cell, and each sequence the prompt cache keeps
+    holds exactly its tokens' cells."""
+    for seq, (_, held) in model._kept.items():
+        assert model.context.used_cells([seq]) == len(held)
+    assert model.held_cells() == 0 and not model._live

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf: a fixture
+from tiny_llama import (kept_cells_match_their_tokens, tiny_gguf,  # noqa: E402, F401 - tiny_gguf: a fixture
+                        tiny_hf_model)
 from fork_drafter import ForkDrafter  # noqa: E402
 from tiny_models import build, pair  # noqa: E402
 
@@ -166,8 +167,8 @@ def test_llama_cpp_trees_part_from_the_plain_loop_only_at_near_ties(llama_target
     assert sorted(model._free_branches) == list(range(model.settings.n_seq_max, model.settings.n_seq_max + 4 * len(PROMPTS)))
     # every row's cells and every branch's went back, but for what the prompt cache keeps: rows' own tokens only
     branches = range(model.settings.n_seq_max, model.settings.n_seq_max + model.settings.branch_seqs())
-    assert model.held_cells() == 0 and model.context.used_cells(branches) == 0
-    assert all(model.context.used_cells([seq]) == len(held) for seq, (_, held) in model._kept.items())
+    assert model.context.used_cells(branches) == 0
+    kept_cells_match_their_tokens(model)
 
 
 FORKED = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 11, 5, 6], [30, 31, 32, 30, 31, 33, 30, 31, 32, 34, 30, 31] * 2]

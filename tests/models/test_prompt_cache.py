@@ -16,7 +16,7 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs
 pytest.importorskip("gguf")
 
 import tiny_llama  # noqa: E402
-from tiny_llama import VOCAB  # noqa: E402
+from tiny_llama import VOCAB, kept_cells_match_their_tokens  # noqa: E402
 from fork_drafter import ForkDrafter  # noqa: E402
 from tiny_models import perturbed  # noqa: E402
 
@@ -73,13 +73,6 @@ def same_but_near_ties(plain: LlamaModel, prompts: list[list[int]], expected: li
             assert plain_gaps(plain, prompt, want[:first + 1])[first] <= 2 * CELL_ORDER, (first, want, have)
         else:
             assert len(want) == len(have)
-
-
-def kept_cells_match_their_tokens(model: LlamaModel) -> None:
-    """Every kept sequence holds exactly its tokens' positions, and nothing is held by a row that is gone."""
-    for seq, (_, held) in model._kept.items():
-        assert model.context.used_cells([seq]) == len(held)
-    assert model.held_cells() == 0 and not model._live
 
 
 def opening_logits(model: LlamaModel, prompt: list[int], scope=None) -> tuple[torch.Tensor, int]:

@@ -11,7 +11,7 @@ import threading
 import pytest
 import tiny_llama
 from tiny_llama import VOCAB as LLAMA_VOCAB
-from tiny_llama import write_gguf
+from tiny_llama import kept_cells_match_their_tokens, write_gguf
 from tiny_models import pair, perturbed, prompt, reference_greedy
 
 from verispec import SpeculativeDecoder
@@ -177,7 +177,6 @@ def test_a_poisoned_row_fails_alone_on_llama_cpp(llama_models, poison, after, ca
     assert any(record.exc_info and f"engine row {failed.row.key} " in record.getMessage()
                for record in caplog.records)
     for model in (target, draft):  # no sequence left behind, though the tracebacks above still hold their frames
-        assert len(model._free_seqs) == LLAMA_ROWS and model.held_cells() == 0
-        # what the prompt cache keeps of finished rows is their tokens' cells, no more
-        assert all(model.context.used_cells([seq]) == len(held) for seq, (_, held) in model._kept.items())
+        assert len(model._free_seqs) == LLAMA_ROWS
+        kept_cells_match_their_tokens(model)  # what the prompt cache keeps of finished rows: their tokens' cells
         assert model.context.used_cells() == sum(len(held) for _, held in model._kept.values())
