@@ -151,3 +151,26 @@ class AlwaysDraft(SpeculationController):
         lengths = [r.limit for r in rows]
         size = len(rows)
         return lengths, CapDecision(max(lengths), "pays", size, bucket_label(bucket_of(size)), tokens=float(size))
+
+
+def plain_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The plain loop's logits before each of ``tokens`` (one token a pass, on ``model``'s backend), ``[len(tokens),
+    V]``: what a divergence from it is judged by."""
+    from verispec.models.backend import backend_of
+
+    with backend_of(model).new_cache() as cache:
+        cache.reset(1)
+        cache.prefill([prompt])
+        out, context = [], [*prompt]
+        for token in tokens:
+            ids = torch.tensor([[context[-1]]])
+            out.append(cache.forward(ids, torch.ones_like(ids, dtype=torch.bool),
+                                     torch.tensor([[len(context) - 1]]))[0, -1])
+            context.append(token)
+        return torch.stack(out)
+
+
+def plain_gap(model, prompt: list[int], tokens: list[int]) -> float:
+    """The plain loop's top-2 logit gap before the last of ``tokens`` (a near-tie when small)."""
+    top2 = plain_logits(model, prompt, tokens)[-1].topk(2).values
+    return float(top2[0] - top2[1])

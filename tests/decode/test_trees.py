@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_llama import (kept_cells_match_their_tokens, tiny_gguf,  # noqa: E402, F401 - tiny_gguf: a fixture
                         tiny_hf_model)
 from fork_drafter import ForkDrafter  # noqa: E402
-from tiny_models import build, pair  # noqa: E402
+from tiny_models import build, pair, plain_gap  # noqa: E402
 
 from verispec.decode import SpeculativeDecoder  # noqa: E402
 from verispec.core.tree import within_branches  # noqa: E402
@@ -132,20 +132,6 @@ def llama_target(tiny_gguf):
     model = LlamaModel(tiny_gguf[0], LlamaSettings(n_ctx=1024, n_threads=2, n_seq_max=len(PROMPTS)))
     yield model
     model.close()
-
-
-def plain_gap(model, prompt: list[int], tokens: list[int]) -> float:
-    """The plain loop's top-2 logit gap before the last of ``tokens``."""
-    with backend_of(model).new_cache() as cache:
-        cache.reset(1)
-        cache.prefill([prompt])
-        context = [*prompt]
-        for token in tokens:
-            ids = torch.tensor([[context[-1]]])
-            logits = cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[len(context) - 1]]))
-            context.append(token)
-        top2 = logits[0, -1].topk(2).values
-        return float(top2[0] - top2[1])
 
 
 def test_llama_cpp_trees_part_from_the_plain_loop_only_at_near_ties(llama_target) -> None:

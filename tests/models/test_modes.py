@@ -17,11 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_llama import tiny_gguf, tiny_hf_model  # noqa: E402, F401 - tiny_gguf: a fixture
-from tiny_models import perturbed  # noqa: E402
+from tiny_models import perturbed, plain_logits  # noqa: E402
 
 from verispec.decode import SpeculativeDecoder  # noqa: E402
 from verispec.drafters import NGramDrafter  # noqa: E402
@@ -63,20 +62,6 @@ def kernel_bound(target) -> float:
     backend = backend_of(target)
     return max(pass_difference(backend, prompt, prompt[:width]) for prompt in PROMPTS for width in (2, 8, 16)
                if len(prompt) >= width)
-
-
-def plain_logits(target, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The plain loop's logits before each of ``tokens`` (one token a pass), ``[len(tokens), V]``."""
-    with backend_of(target).new_cache() as cache:
-        cache.reset(1)
-        cache.prefill([prompt])
-        out, context = [], [*prompt]
-        for token in tokens:
-            ids = torch.tensor([[context[-1]]])
-            out.append(cache.forward(ids, torch.ones_like(ids, dtype=torch.bool),
-                                     torch.tensor([[len(context) - 1]]))[0, -1])
-            context.append(token)
-        return torch.stack(out)
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "model"])

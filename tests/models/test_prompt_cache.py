@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 import tiny_llama  # noqa: E402
 from tiny_llama import VOCAB, kept_cells_match_their_tokens  # noqa: E402
 from fork_drafter import ForkDrafter  # noqa: E402
-from tiny_models import perturbed  # noqa: E402
+from tiny_models import perturbed, plain_gap  # noqa: E402
 
 from verispec import SpeculativeDecoder  # noqa: E402
 from verispec.models.llamacpp import LlamaModel, LlamaSettings  # noqa: E402
@@ -46,22 +46,6 @@ def pair(tiny_gguf):
 CELL_ORDER = 0.05  # what a row's logits move by when its cells lie elsewhere in one memory (test_llamacpp.py)
 
 
-def plain_gaps(model: LlamaModel, prompt: list[int], output: list[int]) -> list[float]:
-    """The plain loop's top-2 logit gap before each token of ``output`` (one token a pass)."""
-    gaps = []
-    with model.new_cache() as cache:
-        cache.reset(1)
-        cache.prefill([prompt])
-        context = list(prompt)
-        for token in output:
-            ids = torch.tensor([[context[-1]]])
-            logits = cache.forward(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([[len(context) - 1]]))
-            top2 = logits[0, -1].topk(2).values
-            gaps.append(float(top2[0] - top2[1]))
-            context.append(token)
-    return gaps
-
-
 def same_but_near_ties(plain: LlamaModel, prompts: list[list[int]], expected: list[list[int]],
                        got: list[list[int]]) -> None:
     """Each output equals the uncached model's, or parts from it where the plain loop's top two logits lie within
@@ -70,7 +54,7 @@ def same_but_near_ties(plain: LlamaModel, prompts: list[list[int]], expected: li
     for prompt, want, have in zip(prompts, expected, got, strict=True):
         first = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), None)
         if first is not None:
-            assert plain_gaps(plain, prompt, want[:first + 1])[first] <= 2 * CELL_ORDER, (first, want, have)
+            assert plain_gap(plain, prompt, want[:first + 1]) <= 2 * CELL_ORDER, (first, want, have)
         else:
             assert len(want) == len(have)
 
