@@ -264,7 +264,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
 
         settings = llama_settings or LlamaSettings()
         bitwise = settings.bitwise if bitwise is None else bitwise
-        settings = dataclasses.replace(settings, bitwise=bitwise)
+        # Spare branch ids only where trees are asked for: llama.cpp reserves a row of logits per sequence id.
+        settings = dataclasses.replace(settings, bitwise=bitwise, trees=settings.trees and trees)
         target_model, tokenizer = _load_llama(target, settings, progress)
     else:
         target_model, tokenizer = load_model(target, torch_dtype, torch_device, progress)

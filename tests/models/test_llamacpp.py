@@ -358,6 +358,48 @@ def test_select_and_append_rows_keep_each_row_exact(llama):
     assert len(llama._free_seqs) == free_before
 
 
+def test_a_pass_is_cut_into_calls_by_tokens_and_by_outputs():
+    """``_Context.calls``: at most ``capacity`` (or the bitwise cut) tokens and ``most_outputs`` asked logits per
+    call, in order, every token in exactly one call; tokens whose logits are not asked (a prompt's) ride along."""
+    from types import SimpleNamespace
+
+    from verispec.models.llama_context import _Context
+
+    context = SimpleNamespace(capacity=8, most_outputs=3)
+    outputs = [False] * 5 + [True] * 7 + [False, True]
+    for most_tokens in (None, 4, 1):
+        calls = _Context.calls(context, outputs, most_tokens)
+        assert [i for call in calls for i in range(len(outputs))[call]] == list(range(len(outputs)))
+        assert all(0 < call.stop - call.start <= (most_tokens or 8) for call in calls)
+        assert all(sum(outputs[call]) <= 3 for call in calls)
+    assert _Context.calls(context, outputs) == [slice(0, 8), slice(8, 11), slice(11, 14)]
+    assert _Context.calls(context, []) == []
+
+
+def test_a_pass_asking_more_logits_than_the_context_reserved_is_cut_and_stays_exact(tiny_gguf, draft):
+    """llama.cpp aborts the process on a call asking for more outputs than ``n_outputs_max``: a context reserved
+    for 4 (``LlamaSettings.outputs``) verifies blocks of 2 rows x 9 tokens in calls of at most 4 logits rows,
+    and the output is still llama.cpp's plain greedy loop's."""
+    model = LlamaModel(tiny_gguf[0], LlamaSettings(bitwise=True, n_ctx=512, n_threads=1, n_seq_max=2, streams=True,
+                                                   outputs=4))
+    asked: list[int] = []
+    decode = model.context.decode
+
+    def counting(tokens, positions, seqs, outputs, copy=True):
+        asked.append(sum(map(bool, outputs)))
+        return decode(tokens, positions, seqs, outputs, copy)
+
+    try:
+        assert model.context.most_outputs == 4
+        model.context.decode = counting
+        rows = prompts([7, 11], seed=31)
+        out = SpeculativeDecoder(model, draft, num_draft_tokens=8).generate(rows, max_new_tokens=24)
+        assert out.tokens == [greedy_reference(model, p, 24) for p in rows]
+        assert max(asked) == 4 and out.stats.draft_tokens > 0
+    finally:
+        model.close()
+
+
 def test_num_logits_and_rollback_over_several_forwards(llama):
     """As a draft uses a cache: ``num_logits=1`` returns the last column's logits only (what a full pass gives
     there), and a rollback reaches over several one-token forwards; each row then continues as if alone."""
@@ -501,8 +543,15 @@ def test_auto_backend_picks_llama_cpp_for_a_gguf(tiny_gguf):
     decoder, tokenizer = load(path, "ngram", calibrate=False, llama_settings=Settings(n_ctx=256, n_seq_max=4))
     try:
         assert isinstance(decoder.target_model, LlamaModel) and len(tokenizer) == VOCAB
+        # trees are off unless asked for: no spare branch ids (llama.cpp reserves a row of logits for each)
+        assert decoder.target_model.settings.branch_seqs() == 0 and decoder.target_model.tree_branches <= 1
         ids = tokenizer("the cat sat on the mat, the cat sat on the")["input_ids"]
         assert decoder.generate([ids], max_new_tokens=12).tokens[0] == greedy_reference(decoder.target_model, ids, 12)
+    finally:
+        decoder.target_model.close()
+    decoder, _ = load(path, "ngram", calibrate=False, llama_settings=Settings(n_ctx=256, n_seq_max=4), trees=True)
+    try:
+        assert decoder.target_model.settings.branch_seqs() > 0
     finally:
         decoder.target_model.close()
 

@@ -164,14 +164,13 @@ class LlamaCache:
                         if len(row.tokens) == row.length:  # else a failed tree pass left them short: a prefix
                             row.tokens.append(ids[b][j])
                         row.length += 1
-                step = min(self.model.pass_cap or context.capacity, context.capacity)
-                for start in range(0, len(work), step):
-                    chunk = work[start:start + step]
-                    outputs = [j >= first_out for _, j, _, _ in chunk]
+                scored = [j >= first_out for _, j, _, _ in work]
+                for call in context.calls(scored, self.model.pass_cap):
+                    chunk, outputs = work[call], scored[call]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk],
                                          [self.rows[w[0]].seq for w in chunk], outputs, copy=False)
-                    _copy_out(logits, written, [(b, j - first_out) for (b, j, _, _), scored in zip(chunk, outputs)
-                                                if scored], out)
+                    _copy_out(logits, written, [(b, j - first_out) for (b, j, _, _), asked in zip(chunk, outputs)
+                                                if asked], out)
             except BaseException:
                 self._restore(before)
                 raise
@@ -219,9 +218,8 @@ class LlamaCache:
                         work.append((b, j, ids[b][j], positions[b][j],
                                      tuple(seq for seq, leaf in zip(seqs, leaves) if sees[b][leaf][j])))
                     row.length = end
-                step = min(self.model.pass_cap or context.capacity, context.capacity)  # the bitwise mode's cut
-                for start in range(0, len(work), step):
-                    chunk = work[start:start + step]
+                for call in context.calls([True] * len(work), self.model.pass_cap):
+                    chunk = work[call]
                     out = context.decode([w[2] for w in chunk], [w[3] for w in chunk], [w[4] for w in chunk],
                                          [True] * len(chunk), copy=False)
                     _copy_out(logits, written, [(b, j) for b, j, _, _, _ in chunk], out)

@@ -122,9 +122,11 @@ class LlamaSettings:
     flash_attn: bool = True
     n_seq_max: int = 8
     n_batch: int = 512
-    # the most logits rows one call returns (None: ``n_batch``, llama.cpp's default); llama.cpp reserves its compute
-    # buffer for that many (~300 MiB at 512 for a 0.5B model), so a draft, one row of logits per row, asks for few
-    outputs: int | None = None
+    # the most logits rows one ``llama_decode`` call returns (None: ``n_batch``, llama.cpp's default; at least a row
+    # per sequence id). llama.cpp reserves its compute buffer for that many (0.6 MB each for a 152k vocabulary:
+    # ~300 MiB at 512), so a pass asking for more is cut into several calls (``_Context.calls``); a draft, one row
+    # of logits per row, asks for ``n_seq_max``
+    outputs: int | None = 64
     trees: bool = True  # spare sequence ids for draft trees' branches (``branch_seqs``); a draft scores none
     bitwise: bool = False
     streams: bool | None = None
@@ -190,8 +192,10 @@ class _Context:
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_seq_max = n_ctx, n_seq_max + branches
         params.n_batch = params.n_ubatch = s.n_batch
-        if s.outputs is not None:  # llama.cpp reserves an output per sequence at least
-            params.n_outputs_max = max(s.outputs, n_seq_max + branches)
+        # llama.cpp reserves an output per sequence id at least, and aborts the process on a call asking for more
+        # outputs than this: ``calls`` cuts passes to it
+        self.most_outputs = s.n_batch if s.outputs is None else min(max(s.outputs, n_seq_max + branches), s.n_batch)
+        params.n_outputs_max = self.most_outputs
         params.n_threads = params.n_threads_batch = s.threads()
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if s.flash_attn else lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.kv_unified = unified
@@ -208,6 +212,21 @@ class _Context:
         self.n_ctx = s.row_ctx()
         # Called when a call finds no cells; True when it freed some (cells a prompt cache kept): the call is retried.
         self.on_full: Callable[[], bool] | None = None
+
+    def calls(self, outputs: Sequence[bool], most_tokens: int | None = None) -> list[slice]:
+        """A pass of ``len(outputs)`` tokens cut into ``llama_decode`` calls, in order: each at most ``capacity``
+        tokens (and ``most_tokens``: the bitwise mode's cut) and ``most_outputs`` tokens whose logits are asked
+        for. A later call's tokens attend to the cells an earlier one wrote, as llama.cpp's own ubatches do."""
+        most = min(most_tokens or self.capacity, self.capacity)
+        cuts, start, count = [], 0, 0
+        for i, output in enumerate(outputs):
+            if i - start == most or (output and count == self.most_outputs):
+                cuts.append(slice(start, i))
+                start, count = i, 0
+            count += bool(output)
+        if start < len(outputs):
+            cuts.append(slice(start, len(outputs)))
+        return cuts
 
     def full_memory(self) -> str:
         """What the memory holds, for the error that says it is full."""
@@ -327,7 +346,7 @@ def probe_regime(model: LlamaModel, max_rows: int = PROBE_MAX_ROWS) -> Regime:
     one-token passes. With more than one thread and flash attention the cap is 1 whatever a probe finds past 255
     cached tokens (``PROBE_DEPTHS`` says why), so only depths below that are measured, for the load message."""
     settings = model.settings
-    block = min(max_rows, settings.n_batch)
+    block = min(max_rows, settings.n_batch, model.context.most_outputs)  # a block asks for every token's logits
     split_keys = settings.flash_attn and settings.threads() > 1
     depths = probe_depths(model.max_positions, block)
     if split_keys:

@@ -197,8 +197,9 @@ class LlamaModel:
                                             [True] * n)
                         self.context.remove(seq, 0, -1)
 
-                    self._pass_cost = measure_curve(run, per_call=min(self.pass_cap or self.context.capacity,
-                                                                       self.context.capacity))
+                    per_call = min(self.pass_cap or self.context.capacity, self.context.capacity,
+                                   self.context.most_outputs)  # as ``_Context.calls`` cuts a scoring pass
+                    self._pass_cost = measure_curve(run, per_call=per_call)
                 finally:
                     self._release([seq])
             return self._pass_cost(width, rows)
