@@ -42,9 +42,10 @@ def _permute(weights: np.ndarray, heads: int) -> np.ndarray:
         weights.shape)
 
 
-def write_gguf(model: LlamaForCausalLM, path, context_length: int | None = None) -> None:
-    """``model`` as a llama-architecture GGUF: Q4_0 matrices, float32 embeddings and norms, this vocabulary; its
-    context length is the model's ``max_position_embeddings`` unless ``context_length`` says otherwise."""
+def write_gguf(model: LlamaForCausalLM, path, context_length: int | None = None, small: bool = False) -> None:
+    """``model`` as a llama-architecture GGUF: Q4_0 matrices, float32 embeddings (``small``: Q4_0 too, so the
+    file is about half the size: a draft a load prices as cheaper than its target) and norms, this vocabulary;
+    its context length is the model's ``max_position_embeddings`` unless ``context_length`` says otherwise."""
     import gguf  # the tests that write GGUFs skip without it (``pytest.importorskip``)
 
     config = model.config
@@ -80,7 +81,7 @@ def write_gguf(model: LlamaForCausalLM, path, context_length: int | None = None)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data))
 
-    add("token_embd.weight", model.model.embed_tokens.weight, quantise=False)
+    add("token_embd.weight", model.model.embed_tokens.weight, quantise=small)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         add(f"blk.{i}.attn_norm.weight", layer.input_layernorm.weight, quantise=False)

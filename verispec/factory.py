@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .acquire import Progress, ZooError, check_source, is_gguf, resolve, say
+from .acquire import Progress, ZooError, check_source, gguf_size, is_gguf, resolve, say
 from .decode import SpeculativeDecoder
 from .decode.calibrate import CALIBRATION_LENGTHS, CALIBRATION_TEXT, calibrate as run_calibration
 from .drafters import CompositeDrafter, CrossTokenizerDrafter, IntersectionDrafter, ModelDrafter, NGramDrafter
@@ -22,7 +22,7 @@ from .models.fast import int4_supported, prepack_linears, quantize_draft
 from .models.loading import LoadError, load_model, load_tokenizer, parse_device, parse_model_dtype, same_tokenizer
 from .models.backend import backend_of
 from .models.pass_cost import priced_out_reason
-from .policy import MOST_DRAFTS, make_gamma_policy, paying_cap
+from .policy import BEST_MODEL_ACCEPTANCE, MOST_DRAFTS, make_gamma_policy, paying_cap
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -90,6 +90,19 @@ def suffix_settings(pass_cost, trees: bool = False) -> Any:
     return SuffixSettings(max_spec_offset=float(GUESSED_TOKENS) if cheap else 0.0, pass_costs=costs, trees=trees)
 
 
+# ``draft="auto"`` (the commands' default): a draft model where scoring a few tokens costs about one (torch), suffix
+# decoding where each scored token costs a large share of a pass (llama.cpp on a CPU: the 0.5B GGUF draft there,
+# ~0.68 of a target pass a token, measured below the target alone, as llama.cpp's own draft-simple is;
+# benchmarks/llamacpp/README.md), so its drafts must be free to pay.
+AUTO_DRAFT_MODEL = "qwen2.5-coder-0.5b"
+
+
+def auto_draft(target: str, backend: str = "auto", device: str | torch.device = "cpu") -> str:
+    """What ``draft="auto"`` means for ``target`` on ``backend``: ``"suffix"`` on llama.cpp, else
+    ``AUTO_DRAFT_MODEL``."""
+    return "suffix" if choose_backend(target, backend, device) == "llama.cpp" else AUTO_DRAFT_MODEL
+
+
 def split_suffix_draft(draft: str | None) -> tuple[bool, str | None]:
     """``(suffix decoding?, the draft model's name or None)`` for a draft name: ``"suffix"``, ``"suffix+MODEL"``
     or anything else (a model, ``"ngram"``, ``"none"``, None)."""
@@ -150,6 +163,8 @@ def check_load_options(target: str, draft: str | None = None, *, device: str | t
     parse_model_dtype(dtype)
     parse_device(device, here=here)
     _check_decoder_options(decoder_options)
+    if draft == "auto":  # what it means depends on the backend, known here only
+        draft = auto_draft(target, backend, device) if here else None
     suffix, draft = split_suffix_draft(draft)
     if suffix:
         _check_suffix_options(suffix_cache_size, suffix_scope, here)
@@ -205,8 +220,9 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
 
     ``target`` / ``draft``: a zoo name (``verispec.zoo.ZOO``), a Hugging Face model folder, a ``.gguf`` file or
     a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
-    ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup) or ``None`` / ``"none"`` (target
-    alone). A folder may hold an encoder-decoder (``AutoModelForSeq2SeqLM``: its inputs are then sources;
+    ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup), ``None`` / ``"none"`` (target
+    alone) or ``"auto"`` (the commands' default, :func:`auto_draft`: suffix decoding on llama.cpp, else the
+    0.5B coder draft model). A folder may hold an encoder-decoder (``AutoModelForSeq2SeqLM``: its inputs are then sources;
     ``AutoModelForSpeechSeq2Seq``, Whisper: input features; ``docs/models.md``). ``"suffix"`` is suffix decoding
     (``drafters/suffix.py``: drafts from the request's own text and from earlier responses, the last
     ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says: ``"global"``, ``"key"`` or ``"request"``);
@@ -254,6 +270,10 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     check_load_options(target, draft, device=device, dtype=dtype, draft_quant=draft_quant,
                        cross_tokenizer=cross_tokenizer, suffix_cache_size=suffix_cache_size,
                        suffix_scope=suffix_scope, backend=backend, **decoder_options)
+    if draft == "auto":
+        draft = auto_draft(target, backend, device)
+        say(progress, f"draft: auto: {draft} (" + ("suffix decoding's drafts are free: on llama.cpp's CPU kernels a "
+                      "draft model costs more than it saves" if draft == "suffix" else "a draft model") + ")")
     suffix, draft = split_suffix_draft(draft)
     torch_dtype, torch_device = parse_model_dtype(dtype), parse_device(device)
 
@@ -277,10 +297,15 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
         say(progress, f"mode bitwise: scoring passes cut to {backend.pass_cap} token"
                       f"{'s' if backend.pass_cap != 1 else ''} (probed: the largest this build scores bitwise as "
                       "one-token decoding)")
+    # A draft that cannot pay here would only cost memory (its weights, its KV cells): the planner never runs it.
     if draft not in (None, "none", "ngram") and not paying_cap(backend.pass_cost, 1, MOST_DRAFTS):
-        # Its weights (and a KV stream per row) would only cost memory: the planner would never run it.
         say(progress, f"draft: {draft} not loaded: {priced_out_reason(backend)}")
         draft = None
+    elif draft not in (None, "none", "ngram") and on_llama and is_gguf(draft) and \
+            (why := _gguf_draft_cannot_pay(draft, target_model, backend)):
+        # Free drafts can pay here (the test above): suffix decoding drafts where the model would not.
+        say(progress, f"draft: {draft} not loaded: {why}" + ("" if suffix else "; suffix decoding drafts instead"))
+        draft, suffix = None, True
     drafter, draft_model = None, None
     if draft == "ngram":
         drafter = NGramDrafter(matches=lookup_matches(backend) if trees else 1)
@@ -334,6 +359,23 @@ def _load_llama(target: str, settings: Any, progress: Progress | None) -> tuple[
         return load_llama(files.path, settings, progress), tokenizer
     except (ZooError, ValueError, OSError, ImportError, RuntimeError) as error:
         raise LoadError(f"cannot load model {target!r} on llama.cpp: {error}") from error
+
+
+def _gguf_draft_cannot_pay(draft: str, target_model: Any, backend: Any) -> str | None:
+    """Why a GGUF draft model cannot pay beside this llama.cpp target, or None. Priced before it is installed or
+    loaded: a drafted token costs the draft file's share of a target pass (a CPU decodes at the speed it reads
+    weights), and no draft length, each draft kept at ``BEST_MODEL_ACCEPTANCE``, may commit tokens for less
+    than the target alone."""
+    size = gguf_size(draft)
+    if not size:
+        return None
+    share, one = size / target_model.path.stat().st_size, backend.pass_cost(1, 1)
+    if paying_cap(backend.pass_cost, 1, MOST_DRAFTS, share * one, BEST_MODEL_ACCEPTANCE):
+        return None
+    return (f"a drafted token would cost ~{share:.2f} of a target pass (the files' sizes) and a pass of 2 / 9 tokens "
+            f"costs {backend.pass_cost(2, 1) / one:.2f} / {backend.pass_cost(9, 1) / one:.2f} one-token passes here: "
+            f"even with each draft kept at {BEST_MODEL_ACCEPTANCE} (the best acceptance measured) no draft length "
+            "beats the target alone")
 
 
 def _load_llama_draft(draft: str, target_model: Any, tokenizer: PreTrainedTokenizerBase,

@@ -62,9 +62,10 @@ def draft(tiny_gguf) -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def draft_gguf(draft, tmp_path_factory):
-    """The torch draft written as a GGUF (Q4_0, as the target): a draft model for llama.cpp."""
+    """The torch draft written as a GGUF (Q4_0, its embeddings too: half the target's file, so a load prices
+    its tokens at half a target pass): a draft model for llama.cpp."""
     path = tmp_path_factory.mktemp("llamacpp-draft") / "tiny-llama-draft.gguf"
-    write_gguf(draft, path)
+    write_gguf(draft, path, small=True)
     return path
 
 
@@ -166,6 +167,55 @@ def test_a_draft_model_that_cannot_pay_is_not_loaded(tiny_gguf, draft_gguf):
             assert not any("calibrat" in line for line in said), said
         finally:
             decoder.target_model.close()
+
+
+def test_a_gguf_draft_as_dear_as_its_target_is_not_loaded(tiny_gguf, draft, tmp_path):
+    """Priced before loading: a GGUF draft whose file is as large as the target's costs about a target pass a
+    token, so even kept at the best acceptance measured no draft length pays (on one thread, where passes of
+    several tokens are cheap and a half-size draft loads: ``test_factory_runs_a_gguf_draft...``). The load
+    says why, and suffix decoding drafts instead (free drafts can pay there), as suffix+MODEL's suffix part."""
+    from verispec.drafters import SuffixDrafter
+    from verispec.factory import load
+
+    dear = tmp_path / "dear-draft.gguf"
+    write_gguf(draft, dear)
+    settings = LlamaSettings(bitwise=True, n_ctx=256, n_seq_max=2, n_threads=1)
+    for name in (str(dear), f"suffix+{dear}"):
+        said: list[str] = []
+        decoder, _ = load(str(tiny_gguf[0]), name, llama_settings=settings, progress=said.append, calibrate=False,
+                          num_draft_tokens=3)
+        try:
+            assert isinstance(decoder.drafter, SuffixDrafter), name
+            assert any("not loaded" in line and "no draft length beats the target alone" in line for line in said)
+            assert any("suffix decoding drafts instead" in line for line in said) == ("+" not in name), said
+        finally:
+            decoder.target_model.close()
+
+
+def test_the_auto_draft_is_suffix_decoding_on_llama_cpp_and_the_draft_model_on_torch(tiny_gguf, tmp_path):
+    """``draft="auto"``, every command's default but the demo's: on llama.cpp a draft model costs more than it
+    saves on a CPU, so suffix decoding drafts (free drafts); on torch, the zoo's draft model. Checked before
+    loading like any name; the load says what it chose."""
+    from verispec.cli import build_parser
+    from verispec.drafters import SuffixDrafter
+    from verispec.factory import AUTO_DRAFT_MODEL, auto_draft, check_load_options, load
+
+    path = str(tiny_gguf[0])
+    assert auto_draft(path) == "suffix" and auto_draft(path, "torch") == AUTO_DRAFT_MODEL
+    folder = tmp_path / "hf"
+    tiny_hf_model().save_pretrained(folder)
+    assert auto_draft(str(folder)) == AUTO_DRAFT_MODEL
+    check_load_options(path, "auto")
+    check_load_options(str(folder), "auto", here=False)
+    assert {build_parser().parse_args([name]).draft for name in ("generate", "serve")} == {"auto"}
+    said: list[str] = []
+    decoder, _ = load(path, "auto", calibrate=False, progress=said.append,
+                      llama_settings=LlamaSettings(n_ctx=256, n_seq_max=2))
+    try:
+        assert isinstance(decoder.drafter, SuffixDrafter)
+        assert any(line.startswith("draft: auto: suffix") for line in said), said
+    finally:
+        decoder.target_model.close()
 
 
 def test_the_probe_looks_past_the_split_key_threshold():

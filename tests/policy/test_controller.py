@@ -304,6 +304,22 @@ def test_drafts_are_priced_out_where_every_extra_token_costs_a_pass() -> None:
     assert lengths == [3]
 
 
+
+def test_a_draft_model_is_priced_with_its_cost_and_an_acceptance_ceiling() -> None:
+    """``paying_cap`` with a drafted token's cost and each draft kept with some probability: on llama.cpp's
+    measured pass costs for the 1.5B target on this CPU (``benchmarks/llamacpp/results/pass_cost.json``, relative
+    to a one-token pass) the 0.5B draft, ~0.46 of a pass a token by the files' sizes, cannot pay even kept at
+    0.96 a token, while free drafts can, and a draft as cheap where passes are flat can."""
+    measured = PassCostCurve((1, 2, 4, 8, 16, 32), (1.0, 1.577, 2.566, 6.098, 6.721, 10.695))
+    assert paying_cap(measured, 1, 32) == 32  # free and always kept: the wide regime makes 32 cheap
+    assert paying_cap(measured, 1, 32, draft_cost=0.46, acceptance=0.96) == 0
+    assert paying_cap(measured, 1, 32, draft_cost=0.46, acceptance=1.0) > 0  # only a perfect draft would pay
+    flat = lambda width, rows: 1.0 if width * rows <= 8 else float(width * rows)  # noqa: E731
+    assert paying_cap(flat, 1, 16, draft_cost=0.46, acceptance=0.96) == 7
+    assert paying_cap(flat, 1, 16, draft_cost=1.0, acceptance=0.96) == 0  # a draft as dear as the target never
+    # with the defaults (a free draft, every draft kept) the test is the one it always was
+    assert paying_cap(flat, 1, 16) == paying_cap(flat, 1, 16, 0.0, 1.0) == 7
+
 # llama.cpp's pass cost on a 2-core EPYC for the 1.5B Q4_K_M, whole passes (the default mode), seconds by tokens
 # scored: each further token costs ~0.6 of a pass up to 8, then the kernels' wider regime makes 16 and 32 cheap.
 CPU_CURVE = PassCostCurve((1, 2, 4, 8, 16, 32), (0.028, 0.045, 0.070, 0.122, 0.135, 0.161))

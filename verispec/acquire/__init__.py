@@ -6,7 +6,7 @@ packages or hashes."""
 
 from . import zoo
 from .integrity import Progress, ZooError, say
-from .sources import ModelFiles, check_source, hub_unreachable, is_gguf, is_hub_id, resolve
+from .sources import ModelFiles, check_source, gguf_size, hub_unreachable, is_gguf, is_hub_id, resolve
 
-__all__ = ["ModelFiles", "Progress", "ZooError", "check_source", "hub_unreachable", "is_gguf", "is_hub_id",
+__all__ = ["ModelFiles", "Progress", "ZooError", "check_source", "gguf_size", "hub_unreachable", "is_gguf", "is_hub_id",
            "resolve", "say", "zoo"]

@@ -128,6 +128,18 @@ def is_gguf(name_or_path: str) -> bool:
         return False
 
 
+def gguf_size(name_or_path: str) -> int | None:
+    """The bytes of the GGUF ``name_or_path`` names (a zoo entry's recorded size, a file's), without installing or
+    reading anything; None for anything else."""
+    try:
+        kind, path = _source(name_or_path)
+    except ZooError:
+        return None
+    if kind == "zoo":
+        return zoo.ZOO[name_or_path].size
+    return path.stat().st_size if kind == "gguf" else None
+
+
 # ------------------------------------------------------------------ GGUF files
 
 

@@ -36,7 +36,9 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
     parser.add_argument("--target", default="qwen2.5-coder-1.5b", help="zoo name, HF model folder or .gguf path")
     parser.add_argument("--draft", default=draft_default,
                         help="zoo name, folder, .gguf path, 'ngram', 'suffix' (suffix decoding), 'suffix+MODEL' "
-                             "(suffix decoding where it scores high, else the model) or 'none'")
+                             "(suffix decoding where it scores high, else the model), 'none', or 'auto' (default for "
+                             "most commands: suffix on the llama.cpp backend, where a draft model costs more than it "
+                             "saves on a CPU; else qwen2.5-coder-0.5b)")
     parser.add_argument("--suffix-cache-size", type=int, default=None, metavar="N",
                         help="with --draft suffix: earlier responses kept for drafting (all scopes together), the "
                              "oldest evicted first (default 1024; 0: each request's own text only)")
@@ -139,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_debug_arg(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, func, about: str, draft_default: str = "qwen2.5-coder-0.5b", **defaults):
+    def command(name: str, func, about: str, draft_default: str = "auto", **defaults):
         """A sub-command running ``func``, with the model flags (its own flags follow; --debug comes last)."""
         cmd = sub.add_parser(name, help=about)
         _add_model_args(cmd, draft_default)

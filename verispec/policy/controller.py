@@ -168,19 +168,30 @@ MOST_DRAFTS = 32  # the longest block any request may ask the planner to price (
 PassCost = Callable[[int, int], float]  # seconds of a scoring pass of (width, rows): ``models/pass_cost.py``
 
 
-def paying_cap(pass_cost: PassCost | None, rows: int, top: int) -> int:
+def paying_cap(pass_cost: PassCost | None, rows: int, top: int, draft_cost: float = 0.0,
+               acceptance: float = 1.0) -> int:
     """The largest draft length, at most ``top``, that can pay on a backend whose scoring passes cost
-    ``pass_cost``: one whose pass of ``1 + c`` tokens per row costs less than ``1 + c`` one-token passes, the most
-    it can commit even if every draft is kept and drafting is free. 0 when none can (llama.cpp's bitwise regime on
-    several threads: each token a pass of its own), and ``top`` when nothing is known of the backend.
+    ``pass_cost``: one whose pass of ``1 + c`` tokens per row, after ``c`` drafted tokens at ``draft_cost``
+    seconds each (0: a free drafter), costs less than the one-token passes of the tokens it commits at best,
+    each draft kept with probability ``acceptance`` (1: every draft kept, ``1 + c`` tokens). 0 when none can
+    (llama.cpp's bitwise regime on several threads: each token a pass of its own), and ``top`` when nothing is
+    known of the backend.
 
     The one test of whether drafting can pay at all: the controller applies it to every row (pinned ones too:
-    on such a backend their drafts would only cost), the factory to decide whether to load a draft model, and
-    calibration whether to time anything."""
+    on such a backend their drafts would only cost), the factory to decide whether to load a draft model (with
+    its estimated cost and ``BEST_MODEL_ACCEPTANCE``), and calibration whether to time anything."""
     if pass_cost is None or top <= 0:
         return max(top, 0)
     one = pass_cost(1, rows)
-    return max((c for c in range(1, top + 1) if pass_cost(1 + c, rows) < (1 + c) * one), default=0)
+    committed = expected_tokens_curve([acceptance] * top, top)  # [c]: tokens a block of c drafts commits
+    return max((c for c in range(1, top + 1) if pass_cost(1 + c, rows) + c * draft_cost < committed[c] * one),
+               default=0)
+
+
+# The highest per-token acceptance measured here for a draft model (benchmarks/RESULTS.md: 0.956, the 0.5B coder
+# draft of the 1.5B coder target on edits): a ceiling for pricing a draft model before loading it, not a guess of
+# its acceptance (the controller learns that).
+BEST_MODEL_ACCEPTANCE = 0.96
 
 
 @dataclass
