@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -150,8 +151,12 @@ def verispec_cells(command: list[str]) -> tuple[int, str]:
     from verispec.cli.common import llama_settings
     from verispec.models.llamacpp import LlamaSettings, kv_layout
 
+    from verispec.factory import auto_draft
+
     parsed = build_parser().parse_args(command[command.index("serve"):])
-    settings = llama_settings(parsed) or LlamaSettings()
+    settings = dataclasses.replace(llama_settings(parsed) or LlamaSettings(), trees=parsed.trees)  # as load() does
+    if parsed.draft == "auto":
+        parsed.draft = auto_draft(parsed.target, parsed.backend)
     return settings.kv_cells(), kv_layout(settings)
 
 
@@ -234,8 +239,12 @@ def buffers_only(command: list[str]) -> dict:
     from verispec.cli.common import llama_settings
     from verispec.models.llamacpp import LlamaModel, LlamaSettings, draft_settings
 
+    from verispec.factory import auto_draft
+
     parsed = build_parser().parse_args(command[command.index("serve"):])
-    settings = llama_settings(parsed) or LlamaSettings()
+    settings = dataclasses.replace(llama_settings(parsed) or LlamaSettings(), trees=parsed.trees)  # as load() does
+    if parsed.draft == "auto":
+        parsed.draft = auto_draft(parsed.target, parsed.backend)
     models, out = [], {}
     try:
         for role, name, role_settings in (("target", parsed.target, settings),
