@@ -981,6 +981,22 @@ def test_a_batch_job_on_a_gguf_target_holds_a_stream_for_each_row_of_a_group(tin
         reference.close()
 
 
+def test_a_batch_job_schedules_with_the_controller_on_llama_cpp_unless_bitwise(tiny_gguf, tmp_path) -> None:
+    """``batch_schedule``: the timing-free heuristic where passes are bitwise whatever their shape (torch, the
+    bitwise mode: a rerun decodes the same blocks, the same tokens), the priced controller on llama.cpp in the
+    default mode (the heuristic's drafts made 8-row groups of real prompts ~25% slower than the target alone)."""
+    from verispec.offline.job import batch_schedule
+
+    path = str(tiny_gguf[0])
+    assert batch_schedule(path, {}) == "auto"
+    assert batch_schedule(path, {"bitwise": True}) == "heuristic"
+    assert batch_schedule(path, {"llama_settings": LlamaSettings(bitwise=True)}) == "heuristic"
+    assert batch_schedule(path, {"backend": "torch"}) == "heuristic"
+    folder = tmp_path / "hf"
+    tiny_hf_model().save_pretrained(folder)
+    assert batch_schedule(str(folder), {}) == "heuristic"
+
+
 def test_the_default_kv_memory_is_shared_and_the_bitwise_mode_has_a_stream_per_row() -> None:
     """By default (exact in distribution) one KV memory is shared by all rows, as llama-server's slots share
     theirs: 8192 cells for several rows, 4096 for one. In the bitwise mode every row has a KV stream of its own

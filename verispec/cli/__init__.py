@@ -44,7 +44,8 @@ def _add_model_args(parser: argparse.ArgumentParser, draft_default: str) -> None
                              "oldest evicted first (default 1024; 0: each request's own text only)")
     parser.add_argument("--num-draft-tokens", default="auto", metavar="G",
                         help="most draft tokens per step: an integer (exact; 0 never drafts), 'auto' (the speculation "
-                             "controller chooses up to 12, default) or 'heuristic'")
+                             "controller chooses up to 12, default) or 'heuristic' (transformers' +2/-1; batch's "
+                             "default where passes are bitwise, so a rerun decodes the same blocks)")
     parser.add_argument("--backend", choices=["auto", "llama.cpp", "torch"], default="auto",
                         help="what runs the target: llama.cpp (a GGUF on llama.cpp's CPU kernels), torch, or auto "
                              "(default: llama.cpp for a GGUF target on the CPU when llama-cpp-python is installed)")
@@ -171,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "instruction, in the model's chat template)")
 
     bat = command("batch", cmd_batch, "offline job: complete every row of a JSONL/Parquet file (resumable; Ray Data)",
-                  num_draft_tokens="heuristic")  # timing-free: every run decodes the same blocks
+                  num_draft_tokens=None)  # offline.batch_schedule: timing-free where passes are bitwise
     bat.add_argument("--input", required=True, help="JSONL or .parquet rows: prompt or messages, max_tokens, "
                                                     "temperature, top_p, top_k, seed; other fields kept as they are")
     bat.add_argument("--output", required=True, help="JSONL: the input rows plus the completions (rows already "

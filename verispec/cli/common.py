@@ -35,9 +35,11 @@ def build_decoder(args: argparse.Namespace, progress: Callable[[str], None] = lo
 
 def load_options(args: argparse.Namespace) -> dict:
     """``verispec.load``'s options from the command line but the names, ``progress`` and ``calibrate`` (what
-    ``batch`` and ``serve --replicas`` pass on too); a flag the namespace lacks (a benchmark's) keeps its default."""
+    ``batch`` and ``serve --replicas`` pass on too); a flag the namespace lacks (a benchmark's) keeps its default,
+    and so does ``num_draft_tokens`` where the command leaves it to the job (``batch``: None)."""
+    schedule = gamma_arg(args.num_draft_tokens)
     return {"device": args.device, "dtype": args.dtype, "fast": args.fast,
-            "num_draft_tokens": gamma_arg(args.num_draft_tokens), "llama_settings": llama_settings(args),
+            **({} if schedule is None else {"num_draft_tokens": schedule}), "llama_settings": llama_settings(args),
             "draft_quant": getattr(args, "draft_quant", "int4"),
             "cross_tokenizer": getattr(args, "cross_tokenizer", "text"),
             "stop_drafting": getattr(args, "stop_drafting", True), "backend": getattr(args, "backend", "auto"),
@@ -109,8 +111,8 @@ def check_model_args(args: argparse.Namespace, here: bool = True) -> None:
         raise CliError(str(error)) from error
 
 
-def gamma_arg(value: str) -> int | str:
-    if value in ("auto", "heuristic"):
+def gamma_arg(value: str | None) -> int | str | None:
+    if value in (None, "auto", "heuristic"):  # None: the command's own default (``batch``: ``batch_schedule``)
         return value
     try:
         return int(value)

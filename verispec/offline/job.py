@@ -48,6 +48,22 @@ def _check_resumable(rows: list[dict], done: dict[int, dict]) -> None:
                              "give another --output, or the input it was written for")
 
 
+def batch_schedule(target: str, load_options: dict) -> str:
+    """A batch job's default draft schedule: "heuristic" (transformers' +2 / -1, which reads no timings, so even
+    greedy rows decode in the same blocks on every run and every worker: the same tokens) where passes are
+    bitwise the same whatever their shape (torch; llama.cpp's bitwise mode); "auto" (the speculation controller,
+    priced from measured pass costs) on llama.cpp in its default mode, where each drafted token of a batch's pass
+    costs a large share of it: the heuristic's drafts made 8-row groups ~25% slower than the target alone there
+    (docs/ray.md), and greedy output there is exact in distribution, not bitwise, whatever the schedule."""
+    from ..factory import choose_backend
+
+    settings = load_options.get("llama_settings")
+    bitwise = load_options.get("bitwise")
+    bitwise = bool(settings is not None and settings.bitwise) if bitwise is None else bitwise
+    on_llama = choose_backend(target, load_options.get("backend", "auto"), load_options.get("device", "cpu"))
+    return "auto" if on_llama == "llama.cpp" and not bitwise else "heuristic"
+
+
 def run_batch(target: str, draft: str | None = None, *, input_path: str | os.PathLike,
               output_path: str | os.PathLike, workers: int | None = None, batch_size: int = 16,
               defaults: JobDefaults | None = None, progress: bool = True, ray_address: str | None = None,
@@ -60,20 +76,20 @@ def run_batch(target: str, draft: str | None = None, *, input_path: str | os.Pat
     actors (``ray_address`` joins a cluster, else a local Ray instance is started on loopback); ``None`` decodes
     in-process, as does any ``workers`` when Ray is not installed. Greedy and seeded rows give the same tokens
     however many workers run and whether the job was interrupted, since a row's batch is its input group.
-    ``load_options`` go to ``verispec.load`` (``num_draft_tokens`` defaults to "heuristic" here: a schedule that
-    reads no timings, so even greedy rows decode in the same blocks on every run; ``llama_settings`` to
-    ``LlamaSettings(n_seq_max=batch_size)``, a llama.cpp target's rows).
+    ``load_options`` go to ``verispec.load`` (``num_draft_tokens`` defaults to :func:`batch_schedule`'s;
+    ``llama_settings`` to ``LlamaSettings(n_seq_max=batch_size)``, a llama.cpp target's rows).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     defaults = defaults or JobDefaults()
-    load_options.setdefault("num_draft_tokens", "heuristic")
     if load_options.get("llama_settings") is None:  # on llama.cpp: a KV stream for each row of a group
         from ..models.llama_context import LlamaSettings
 
         load_options["llama_settings"] = LlamaSettings(n_seq_max=batch_size)
+    if load_options.get("num_draft_tokens") is None:
+        load_options["num_draft_tokens"] = batch_schedule(target, load_options)
     rows = read_rows(input_path)
     output = OutputFile(output_path)
     done = output.written()
