@@ -671,7 +671,8 @@ def test_missing_binding_is_a_one_line_load_error(tiny_gguf, monkeypatch):
 @pytest.mark.parametrize("draft", ["ngram", "suffix"])
 def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
     """The zoo's Qwen2.5-Coder-1.5B GGUF on llama.cpp with a free draft: greedy output equals llama.cpp's plain
-    greedy loop on the same file and settings, for a prompt that copies its input."""
+    greedy loop on the same file and settings, for a prompt that copies its input, asked twice (suffix decoding
+    drafts the second answer from the first: a rename leaves little of the prompt to copy token for token)."""
     from verispec import eos_token_ids
     from verispec.factory import load
 
@@ -684,9 +685,13 @@ def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
                                             tokenize=False)
         ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
         eos = eos_token_ids(tokenizer, model)
-        out = decoder.generate([ids], max_new_tokens=48, eos_token_id=eos, num_draft_tokens=4)
-        assert out.tokens[0] == greedy_reference(model, ids, 48, eos)
-        assert out.stats.accepted_tokens > 0
+        reference = greedy_reference(model, ids, 48, eos)
+        accepted = 0
+        for _ in range(2):
+            out = decoder.generate([ids], max_new_tokens=48, eos_token_id=eos, num_draft_tokens=4)
+            assert out.tokens[0] == reference
+            accepted += out.stats.accepted_tokens
+        assert accepted > 0
     finally:
         model.close()
 
@@ -695,16 +700,22 @@ def test_real_target_greedy_equals_llama_cpp_plain_decoding(draft):
 def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
     """Qwen2.5-Coder-1.5B with the 0.5B as a draft model, both GGUFs on llama.cpp (the draft beside the target,
     llama.cpp's fast defaults): greedy output of a batch of 2 prompts equals llama.cpp's plain greedy loop of the
-    target per prompt (a KV stream per row: bitwise per row in a batch)."""
-    from verispec import eos_token_ids
-    from verispec.factory import load
+    target per prompt (a KV stream per row: bitwise per row in a batch), or parts from it only at a near-tie of
+    the plain loop (the default mode's passes are whole: its logits move by up to 0.71 here,
+    ``benchmarks/llamacpp/results/identity.md``). Built by hand, not by ``load``: whether ``load`` runs this
+    draft at all is priced from this machine's pass costs (``test_a_gguf_draft_as_dear_as_its_target...``)."""
+    from tiny_models import plain_logits
 
-    settings = LlamaSettings(bitwise=True, n_ctx=512, n_seq_max=2, streams=True)
-    decoder, tokenizer = load("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", backend="llama.cpp", calibrate=False,
-                              llama_settings=settings, num_draft_tokens=4)  # fixed: loaded on any thread count
-    target, draft_model = decoder.target_model, decoder.drafter.model
+    from verispec import eos_token_ids
+    from verispec.acquire import resolve
+    from verispec.models.loading import load_tokenizer
+
+    files = resolve("qwen2.5-coder-1.5b", backend="llama.cpp")
+    tokenizer = load_tokenizer(files)
+    target = LlamaModel(files.path, LlamaSettings(n_ctx=512, n_seq_max=2, streams=True))
+    draft_model = load_llama_draft(resolve("qwen2.5-coder-0.5b", backend="llama.cpp").path, target.settings)
+    decoder = SpeculativeDecoder(target, draft_model, num_draft_tokens=4)
     try:
-        assert isinstance(draft_model, LlamaModel)
         texts = ["Write a Python function that returns the n-th Fibonacci number.",
                  "Explain in one sentence what a hash map is."]
         rows = [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -713,7 +724,13 @@ def test_real_pair_both_on_llama_cpp_greedy_equals_the_targets_plain_decoding():
         eos = eos_token_ids(tokenizer, target)
         out = decoder.generate(rows, max_new_tokens=32, eos_token_id=eos, num_draft_tokens=4)
         for b, ids in enumerate(rows):
-            assert out.tokens[b] == greedy_reference(target, ids, 32, eos), b
+            expected = greedy_reference(target, ids, 32, eos)
+            first = next((i for i, (a, c) in enumerate(zip(expected, out.tokens[b])) if a != c), None)
+            if first is None:
+                assert out.tokens[b] == expected, b
+            else:  # a near-tie of the plain loop: its top-2 gap within twice the kernels' largest difference
+                top2 = plain_logits(target, ids, expected[:first + 1])[-1].topk(2).values
+                assert float(top2[0] - top2[1]) <= 2 * 0.71, (b, first, float(top2[0] - top2[1]))
         assert out.stats.accepted_tokens > 0
     finally:
         target.close()
