@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -33,28 +32,49 @@ def llama_bench(binary: Path, gguf: str, depth: int, tokens: int, threads: int) 
     return float(json.loads(out[out.index("["):])[0]["avg_ts"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def round_parser(description: str) -> argparse.ArgumentParser:
+    """The options every round-by-round benchmark here takes (this one's and ``loop.py``'s)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--bin", type=Path, default=Path("/tmp/lcp/build/bin"))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--per-kind", type=int, default=1)
-    parser.add_argument("--repetitive", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    return parser
 
+
+def plain_decoder(args: argparse.Namespace) -> tuple:
+    """``(decoder, tokenizer, the target's GGUF path, EOS ids)``: the target alone on llama.cpp, one row, the
+    default mode, no calibration (each run passes its own drafter)."""
     from verispec import eos_token_ids
     from verispec.acquire import resolve
-    from verispec.drafters.suffix import SuffixDrafter
-    from verispec.factory import load, suffix_settings
+    from verispec.factory import load
     from verispec.models.llamacpp import LlamaSettings
 
     decoder, tokenizer = load(args.target, None, backend="llama.cpp", calibrate=False,
                               llama_settings=LlamaSettings(n_threads=args.threads, n_seq_max=1))
     gguf = str(resolve(args.target, backend="llama.cpp").path)
-    eos = eos_token_ids(tokenizer, decoder.target_model)
+    return decoder, tokenizer, gguf, eos_token_ids(tokenizer, decoder.target_model)
+
+
+def decoding_rate(decoder, ids: list[int], max_new_tokens: int, eos, draft) -> tuple[float, list[int]]:
+    """``(tokens per second with the prompt's prefill taken out, the tokens)`` of one greedy run with ``draft``."""
+    start = time.perf_counter()
+    out = decoder.generate([ids], max_new_tokens=max_new_tokens, eos_token_id=eos, draft=draft)
+    return len(out.tokens[0]) / (time.perf_counter() - start - out.stats.prefill_time_s), out.tokens[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = round_parser(__doc__)
+    parser.add_argument("--per-kind", type=int, default=1)
+    parser.add_argument("--repetitive", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from verispec.drafters.suffix import SuffixDrafter
+    from verispec.factory import suffix_settings
+
+    decoder, tokenizer, gguf, eos = plain_decoder(args)
     prompts = [(p["kind"], tokenizer(bench.prompt_text(tokenizer, p), add_special_tokens=False)["input_ids"])
                for p in bench.load_prompts(args)]
     rates: dict[int, dict[str, list[float]]] = {i: {} for i in range(len(prompts))}
@@ -65,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                  args.threads))
             suffix = SuffixDrafter(settings=suffix_settings(decoder.pass_cost))  # as load(draft="suffix") builds it
             for name, draft in (("verispec_alone", None), ("verispec_suffix", suffix)):
-                start = time.perf_counter()
-                out = decoder.generate([ids], max_new_tokens=args.max_new_tokens, eos_token_id=eos, draft=draft)
-                decoding = time.perf_counter() - start - out.stats.prefill_time_s
-                row.setdefault(name, []).append(len(out.tokens[0]) / decoding)
+                row.setdefault(name, []).append(decoding_rate(decoder, ids, args.max_new_tokens, eos, draft)[0])
             print(f"round {round_} prompt {index} ({kind}): "
                   + ", ".join(f"{k} {v[-1]:.1f}" for k, v in row.items()), file=sys.stderr, flush=True)
     summary = []

@@ -21,14 +21,13 @@ import inspect
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench  # noqa: E402 - the copy-edit sources, llama.cpp's tools, the machine's name
-from interleaved import llama_bench  # noqa: E402
+from interleaved import decoding_rate, llama_bench, plain_decoder, round_parser  # noqa: E402
 
 FOLLOW_UP = "Add type hints to every parameter and the return value"
 
@@ -42,26 +41,14 @@ def requests(source: tuple[str, str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--bin", type=Path, default=Path("/tmp/lcp/build/bin"))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser = round_parser(__doc__)
     parser.add_argument("--spec-types", nargs="*", default=["ngram-simple", "ngram-mod"])
-    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
-    from verispec import eos_token_ids
-    from verispec.acquire import resolve
     from verispec.drafters.suffix import SuffixDrafter
-    from verispec.factory import load, suffix_settings
-    from verispec.models.llamacpp import LlamaSettings
+    from verispec.factory import suffix_settings
 
-    decoder, tokenizer = load(args.target, None, backend="llama.cpp", calibrate=False,
-                              llama_settings=LlamaSettings(n_threads=args.threads, n_seq_max=1))
-    gguf = str(resolve(args.target, backend="llama.cpp").path)
-    eos = eos_token_ids(tokenizer, decoder.target_model)
+    decoder, tokenizer, gguf, eos = plain_decoder(args)
     chat = [[tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                            tokenize=False) for text in requests(source)]
             for source in bench.REPETITIVE_SOURCES]
@@ -81,11 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             decoder.generate([ids[0]], max_new_tokens=args.max_new_tokens, eos_token_id=eos, draft=suffix)
             outputs = {}
             for name, draft in (("verispec_alone", None), ("verispec_suffix", suffix)):
-                start = time.perf_counter()
-                out = decoder.generate([ids[1]], max_new_tokens=args.max_new_tokens, eos_token_id=eos, draft=draft)
-                decoding = time.perf_counter() - start - out.stats.prefill_time_s
-                row.setdefault(name, []).append(len(out.tokens[0]) / decoding)
-                outputs[name] = out.tokens[0]
+                rate, outputs[name] = decoding_rate(decoder, ids[1], args.max_new_tokens, eos, draft)
+                row.setdefault(name, []).append(rate)
             identical[index].append(outputs["verispec_alone"] == outputs["verispec_suffix"])
             print(f"round {round_} source {index}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in row.items()),
                   file=sys.stderr, flush=True)
