@@ -222,8 +222,8 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
     a Hugging Face Hub id (``owner/name``, loaded with ``from_pretrained``: the HF cache, and the network unless
     ``HF_HUB_OFFLINE=1``). ``draft`` may also be ``"ngram"`` (prompt lookup), ``None`` / ``"none"`` (target
     alone) or ``"auto"`` (the commands' default, :func:`auto_draft`: suffix decoding on llama.cpp, else the
-    0.5B coder draft model). A folder may hold an encoder-decoder (``AutoModelForSeq2SeqLM``: its inputs are then sources;
-    ``AutoModelForSpeechSeq2Seq``, Whisper: input features; ``docs/models.md``). ``"suffix"`` is suffix decoding
+    0.5B coder draft model). A folder may hold an encoder-decoder (``AutoModelForSeq2SeqLM``: its inputs are then
+    sources; ``AutoModelForSpeechSeq2Seq``, Whisper: input features; ``docs/models.md``). ``"suffix"`` is suffix decoding
     (``drafters/suffix.py``: drafts from the request's own text and from earlier responses, the last
     ``suffix_cache_size`` of them kept, shared as ``suffix_scope`` says: ``"global"``, ``"key"`` or ``"request"``);
     ``"suffix+MODEL"`` drafts each row from it or from the draft model ``MODEL`` (or not at all), as the speculation
@@ -298,14 +298,14 @@ def load(target: str, draft: str | None = None, *, device: str | torch.device = 
                       f"{'s' if backend.pass_cap != 1 else ''} (probed: the largest this build scores bitwise as "
                       "one-token decoding)")
     # A draft that cannot pay here would only cost memory (its weights, its KV cells): the planner never runs it.
-    if draft not in (None, "none", "ngram") and not paying_cap(backend.pass_cost, 1, MOST_DRAFTS):
-        say(progress, f"draft: {draft} not loaded: {priced_out_reason(backend)}")
-        draft = None
-    elif draft not in (None, "none", "ngram") and on_llama and is_gguf(draft) and \
-            (why := _gguf_draft_cannot_pay(draft, target_model, backend)):
-        # Free drafts can pay here (the test above): suffix decoding drafts where the model would not.
-        say(progress, f"draft: {draft} not loaded: {why}" + ("" if suffix else "; suffix decoding drafts instead"))
-        draft, suffix = None, True
+    if draft not in (None, "none", "ngram"):
+        if not paying_cap(backend.pass_cost, 1, MOST_DRAFTS):
+            say(progress, f"draft: {draft} not loaded: {priced_out_reason(backend)}")
+            draft = None
+        elif on_llama and is_gguf(draft) and (why := _gguf_draft_cannot_pay(draft, target_model, backend)):
+            # Free drafts can pay here (the test above): suffix decoding drafts where the model would not.
+            say(progress, f"draft: {draft} not loaded: {why}" + ("" if suffix else "; suffix decoding drafts instead"))
+            draft, suffix = None, True
     drafter, draft_model = None, None
     if draft == "ngram":
         drafter = NGramDrafter(matches=lookup_matches(backend) if trees else 1)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from .acceptance import AcceptanceEstimate, AcceptancePool, PositionCounts
 from .base import AutoGamma, FixedGamma, GammaPolicy, StepRecord
-from .controller import (BEST_MODEL_ACCEPTANCE, MOST_DRAFTS, CapDecision, LatencyStats, RowPlan, SpeculationController, bucket_label,
-                         bucket_of, paying_cap)
+from .controller import (BEST_MODEL_ACCEPTANCE, MOST_DRAFTS, CapDecision, LatencyStats, RowPlan,
+                         SpeculationController, bucket_label, bucket_of, paying_cap)
 from .formula import expected_tokens, expected_tokens_by_position, expected_tokens_curve
 from .heuristic import HeuristicGamma
 
